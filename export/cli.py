@@ -1,0 +1,78 @@
+"""``mirrorsd-export``: a thin argparse shell over :func:`mirrorsd.export.pipeline.export`."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from mirrorsd.errors import MirrorSDError
+
+DESCRIPTION = """\
+Split a Hugging Face causal LM into the ONNX graphs Mirror-SD runs:
+  prefix.onnx     layers [0, L) of the target      -> hidden state at the early-exit layer L
+  exit_head.onnx  final norm + LM head + top-k on that hidden state (the early-exit message)
+  suffix.onnx     layers [L, N) + norm + LM head   -> logits
+  draft.onnx      the draft model                  -> logits
+plus mirrorsd.json (the manifest) and the tokenizer. Every graph is checked against PyTorch before the folder
+is published; on any error no output folder is left behind.
+
+examples:
+  mirrorsd-export --model ./SmolLM2-135M-Instruct.Q4_1.gguf --output exports/smollm2 --draft-layers 8
+  mirrorsd-export --model ./qwen-1.5b --draft ./qwen-0.5b --output exports/qwen --exit-layer 14
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mirrorsd-export", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = parser.add_argument_group("models")
+    src.add_argument("--model", required=True, type=Path,
+                     help="target: a Hugging Face folder (config.json + *.safetensors + tokenizer) or a .gguf file")
+    src.add_argument("--draft", type=Path, help="a separate draft model with the same tokenizer (folder or .gguf)")
+    src.add_argument("--draft-layers", type=int, metavar="K",
+                     help="instead of --draft: use the target's first K layers + its final norm and LM head "
+                          "(cheap, accepts little; default when no --draft: N/4)")
+    src.add_argument("--trust-remote-code", action="store_true",
+                     help="allow models that ship their own Python code (off by default: it runs that code)")
+    cut = parser.add_argument_group("split")
+    cut.add_argument("--exit-layer", type=int, metavar="L", help="early-exit layer, 1..N-1 (default N/2)")
+    cut.add_argument("--top-k", type=int, default=8, metavar="KAPPA",
+                     help="candidates per position in the early-exit message (default 8)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--output", "-o", required=True, type=Path, help="folder to write (must be empty or absent)")
+    out.add_argument("--force", action="store_true", help="replace a non-empty output folder (only after success)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from mirrorsd.export.pipeline import ExportOptions, export
+
+    options = ExportOptions(model=args.model, output=args.output, draft=args.draft, draft_layers=args.draft_layers,
+                            exit_layer=args.exit_layer, top_k=args.top_k, force=args.force,
+                            trust_remote_code=args.trust_remote_code)
+    started = time.perf_counter()
+
+    def progress(step: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f}s] {step} ...", file=sys.stderr, flush=True)
+
+    try:
+        result = export(options, progress)
+    except MirrorSDError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
+    m = result.manifest
+    print(f"exported to {result.folder} in {result.seconds:.1f} s: target {m.target.model_type} "
+          f"{m.target.num_layers} layers (exit at {m.exit_layer}), draft {m.draft.num_layers} layers, top-k {m.top_k}")
+    for spec in m.graphs.values():
+        checks = ", ".join(f"{k} {v:.2e}" for k, v in spec.validation.items())
+        print(f"  {spec.file:16s} layers {spec.layer_range[0]:>2}..{spec.layer_range[1]:<2} max|diff| vs torch: {checks}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Load a causal LM for export from a Hugging Face folder (safetensors only) or a GGUF file.
+
+No pickle: ``.bin`` / ``.pt`` weights are refused. Models that need ``trust_remote_code`` are refused unless the
+user asks for it. Everything is loaded in float32 with eager attention (the exporter traces it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mirrorsd.errors import IncompatibleDraftError, ModelSourceError
+from mirrorsd.manifest import ModelInfo
+from mirrorsd.export.architectures import Architecture, architecture_for
+
+GGUF_MAGIC = b"GGUF"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A loaded model ready for cutting: the torch module, its architecture entry and its dimensions."""
+
+    model: Any
+    arch: Architecture
+    info: ModelInfo
+    tokenizer: Any
+    path: Path
+
+    def truncated(self, num_layers: int) -> "ModelSource":
+        """The same weights seen as a draft made of the first ``num_layers`` layers + final norm + LM head."""
+        info = dataclasses.replace(self.info, num_layers=num_layers, source=f"{self.info.source} (first {num_layers} layers)")
+        return dataclasses.replace(self, info=info)
+
+
+def load_model(path: str | Path, trust_remote_code: bool = False) -> ModelSource:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path).expanduser()
+    folder, gguf_file = _locate(path)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    config = _read_config(AutoConfig, folder, kwargs, trust_remote_code, path)
+    arch = architecture_for(getattr(config, "model_type", None))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, config=config, dtype=torch.float32, attn_implementation="eager",
+            low_cpu_mem_usage=True, use_safetensors=None if gguf_file else True,
+            trust_remote_code=trust_remote_code, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError, EnvironmentError) as exc:
+        raise ModelSourceError(f"Could not load the weights or tokenizer of '{path}'", _short(exc),
+                               "check that the download is complete (sizes, no truncated files)") from exc
+    model.eval()
+    return ModelSource(model, arch, model_info(config, arch, str(path)), tokenizer, path)
+
+
+def model_info(config: Any, arch: Architecture, source: str) -> ModelInfo:
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelInfo(
+        model_type=config.model_type, num_layers=int(config.num_hidden_layers), hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size), num_attention_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads), head_dim=int(head_dim),
+        max_position_embeddings=arch.context_limit(config), source=source)
+
+
+def check_same_vocabulary(target: ModelSource, draft: ModelSource) -> None:
+    """The draft must map every token id to the same string as the target, or its proposals mean nothing."""
+    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        only_t = len(set(t_vocab.items()) - set(d_vocab.items()))
+        raise IncompatibleDraftError(
+            f"The draft '{draft.path}' has another vocabulary than the target '{target.path}'",
+            f"{only_t} of the target's {len(t_vocab)} token entries differ or are missing in the draft",
+            "pick a draft of the same model family (same tokenizer), or use --draft-layers K")
+    if draft.info.vocab_size < len(t_vocab):
+        raise IncompatibleDraftError(
+            f"The draft's LM head has {draft.info.vocab_size} rows for {len(t_vocab)} tokens",
+            "some target tokens cannot be proposed", "use a draft with the same vocabulary size")
+
+
+def _locate(path: Path) -> tuple[Path, str | None]:
+    if not path.exists():
+        raise ModelSourceError(f"Model path '{path}' does not exist", "nothing to export",
+                               "pass a Hugging Face model folder (config.json + *.safetensors) or a .gguf file")
+    if path.is_file():
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+        if magic != GGUF_MAGIC:
+            raise ModelSourceError(f"'{path}' is not a GGUF file", f"it starts with {magic!r}, not {GGUF_MAGIC!r}",
+                                   "pass a .gguf file or a Hugging Face model folder")
+        return path.parent, path.name
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        hint = f"; it holds {ggufs[0].name}: pass that file instead" if ggufs else ""
+        raise ModelSourceError(f"'{path}' is not a Hugging Face model folder", "it has no config.json" + hint,
+                               "pass a folder with config.json, *.safetensors and tokenizer files, or a .gguf file")
+    if not list(path.glob("*.safetensors")):
+        pickled = [p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
+        why = (f"it only has pickle weights ({', '.join(pickled[:3])}); loading pickle can run arbitrary code"
+               if pickled else "it has no *.safetensors weights")
+        raise ModelSourceError(f"'{path}' has no safetensors weights", why,
+                               "convert the weights to safetensors (transformers save_pretrained does) and retry")
+    return path, None
+
+
+def _read_config(auto_config, folder: Path, kwargs: dict, trust_remote_code: bool, path: Path):
+    if not kwargs:
+        try:
+            raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelSourceError(f"{folder / 'config.json'} is not valid JSON", str(exc),
+                                   "restore the model's config.json") from exc
+        if raw.get("auto_map") and not trust_remote_code:
+            raise ModelSourceError(
+                f"'{path}' asks to run its own Python code (auto_map in config.json)",
+                "trust_remote_code models execute code shipped with the weights",
+                "pass --trust-remote-code if you trust its author; supported types need no remote code")
+    try:
+        return auto_config.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelSourceError(f"Could not read the model configuration of '{path}'", _short(exc),
+                               "check that the file is complete and of a supported architecture") from exc
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]

@@ -1,0 +1,45 @@
+"""Target-only greedy decoding of several prompts at once, left-padded (what transformers' batched generate does).
+
+    ids   [B, T]  prompts right-aligned, pad slots masked out (mask 0)
+    pos   [B, T]  logical positions: cumsum(mask) - 1 (padding excluded)
+Each step feeds one token per row; rows that reached EOS keep stepping (their extra tokens are dropped).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mirrorsd.runtime.models import TargetModel
+from mirrorsd.runtime.verify import greedy_tokens
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad_id, np.int64)
+    mask = np.zeros((len(prompts), width), np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = prompt
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def generate_batch(target: TargetModel, prompts: list[list[int]], max_new_tokens: int,
+                   eos_token_ids: tuple[int, ...], pad_id: int) -> list[list[int]]:
+    ids, mask = left_pad(prompts, pad_id)
+    batch = len(prompts)
+    target.reset(batch, ids.shape[1] + max_new_tokens + 1)
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    logits = target.forward(ids, mask, positions)[:, -1]  # [B, vocab]
+    outputs: list[list[int]] = [[] for _ in range(batch)]
+    finished = np.zeros(batch, bool)
+    next_pos = positions[:, -1:] + 1  # [B, 1]
+    for step in range(max_new_tokens):
+        tokens = greedy_tokens(logits)  # [B]
+        for row in np.flatnonzero(~finished):
+            outputs[row].append(int(tokens[row]))
+            finished[row] = tokens[row] in eos_token_ids
+        if finished.all() or step + 1 == max_new_tokens:
+            break
+        mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+        logits = target.forward(tokens[:, None].astype(np.int64), mask, next_pos)[:, -1]
+        next_pos = next_pos + 1
+    return outputs

@@ -1,0 +1,368 @@
+"""Mirror-SD: the draft rolls out branches on its own thread while the target verifies the current window.
+
+    main thread (target device)                     draft worker (draft device)
+    ---------------------------                     ---------------------------
+    propose(): wait for a window        <-- Window --  fresh rollout, or a ready branch
+    prefix([last] + window)                          extend: one forward on the window's last token
+    exit head -> top-k per position     -- Exit ---> re-rank candidate branches (draft runner-ups first)
+    suffix -> target tokens -> verdict               roll out branches (d, v) in batches, best first,
+    observe(verdict)                    -- Verdict->   until the verdict arrives or the cap is reached
+                                                     branch (A+1, c) ready? adopt its KV + tokens (reuse)
+                                                     else roll out afresh (fallback)
+Only token ids and log-probs cross between the threads. The worker owns the draft model and its caches; the main
+thread never touches them. A worker failure reaches the caller as DraftWorkerError; nothing busy-waits (the
+worker polls its inbox only between draft forwards, and blocks when it has nothing to do).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mirrorsd.errors import DraftWorkerError
+from mirrorsd.runtime.kv_cache import KVCache
+from mirrorsd.runtime.models import DraftModel
+from mirrorsd.runtime.proposers import Proposal, greedy_rollout
+from mirrorsd.runtime.verify import Verdict, rank_branches, top_k_logprobs
+
+
+@dataclass(frozen=True)
+class MirrorSettings:
+    max_branches: int = 4  # branches rolled out per step at most (the cap beside the time budget)
+    branch_batch: int = 2  # branches per batched rollout
+    runner_up_k: int = 4  # the draft's own candidate tokens kept per window position
+    timeout_s: float = 120.0  # the main thread gives up on a silent worker after this long
+    budget: str = "time"  # "time": stop at the verdict (the paper's overlap budget); "cap": always roll out
+    #                       max_branches before reading the verdict (deterministic; for tests and hit-rate studies)
+
+
+# Messages (main -> worker)
+@dataclass(frozen=True)
+class _Prefill:
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class _Propose:
+    committed: list[int]
+    gamma: int
+
+
+@dataclass(frozen=True)
+class _Exit:
+    ids: np.ndarray  # [g + 1, k] early-exit top-k per window position
+    logprobs: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    verdict: Verdict
+    new_tokens: list[int]
+    gamma: int
+
+
+class _End:
+    """Generation over: drop speculation, wait for the next request."""
+
+
+class _Stop:
+    """Close the worker."""
+
+
+# Messages (worker -> main)
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+@dataclass
+class _Window:
+    """A window and what the worker knows about it (the draft's top-k at each position)."""
+
+    tokens: np.ndarray  # [g]
+    top_ids: np.ndarray  # [g + 1, k] (row g filled by the extend forward)
+    top_logprobs: np.ndarray
+    base_length: int  # committed tokens when the window was drafted (C)
+
+
+@dataclass
+class _Ready:
+    cache: KVCache  # the batch cache holding this branch as one row
+    row: int
+    tokens: np.ndarray  # [g] the branch's rollout: the next window if the verdict hits it
+    top_ids: np.ndarray  # [g, k]
+    top_logprobs: np.ndarray
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Running per-token acceptance probability: accepted / (accepted + rejections), exponentially decayed."""
+
+    accepted: float = 7.0  # prior: 0.7 with the weight of a few steps
+    rejected: float = 3.0
+    decay: float = 0.95
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def update(self, verdict: Verdict) -> None:
+        self.accepted = self.decay * self.accepted + verdict.accepted
+        self.rejected = self.decay * self.rejected + (0 if verdict.bonus else 1)
+
+
+@dataclass
+class WorkerCounters:
+    branches: int = 0
+    forwards_since_verdict: int = 0
+    busy: list[tuple[float, float]] = field(default_factory=list)
+
+
+class DraftWorker(threading.Thread):
+    """Owns the draft model; answers each verdict with the next window."""
+
+    def __init__(self, draft: DraftModel, settings: MirrorSettings) -> None:
+        super().__init__(name="mirrorsd-draft", daemon=True)
+        self.draft, self.settings = draft, settings
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self.committed: list[int] = []
+        self.counters = WorkerCounters()
+        self._ready: dict[tuple[int, int], _Ready] = {}
+        self.acceptance = AcceptanceEstimate()
+
+    # ---- thread body -------------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            message = self.inbox.get()
+            while not isinstance(message, _Stop):
+                message = self._serve(message)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+            self.outbox.put(_Failed(exc))
+
+    def _serve(self, message):
+        """Handle one request; return the next message to handle (speculation consumes messages itself)."""
+        if isinstance(message, _Prefill):
+            self.committed = list(message.tokens)
+            self.draft.reset(capacity=len(message.tokens) + 64)
+            pending = self.draft.sync_to(self.committed)
+            if pending:
+                self.draft.extend(pending)
+            return self.inbox.get()
+        if isinstance(message, _Propose):
+            self.committed = list(message.committed)
+            window, reused = self._fresh(message.gamma), False
+            while True:
+                self._deliver(window, reused)
+                message = self._speculate(window)
+                if not isinstance(message, _Verdict):
+                    break
+                window, reused = self._next_window(window, message)
+            return self.inbox.get() if isinstance(message, _End) else message
+        return self.inbox.get()  # stale exit messages or an End outside a generation
+
+    # ---- windows -----------------------------------------------------------------------------------------
+    def _fresh(self, gamma: int) -> _Window:
+        k = self.settings.runner_up_k
+        start = time.perf_counter()
+        rollout = greedy_rollout(self.draft, self.committed, gamma, k)
+        self.counters.busy.append((start, time.perf_counter()))
+        self.counters.forwards_since_verdict += rollout.forwards
+        pad = np.zeros((1, k), np.int64), np.full((1, k), -np.inf, np.float32)
+        return _Window(rollout.tokens, np.concatenate([rollout.top_ids, pad[0]]),
+                       np.concatenate([rollout.top_logprobs, pad[1]]), len(self.committed))
+
+    def _deliver(self, window: _Window, reused: bool) -> None:
+        self.outbox.put(self._proposal(window, reused))
+
+    def _proposal(self, window: _Window, reused: bool) -> Proposal:
+        proposal = Proposal(window.tokens.copy(), reused, self.counters.forwards_since_verdict)
+        self.counters.forwards_since_verdict = 0
+        return proposal
+
+    def _next_window(self, window: _Window, message: _Verdict) -> tuple[_Window, bool]:
+        """Apply a verdict: adopt the branch it hits if that one is ready, else draft afresh."""
+        verdict = message.verdict
+        self.acceptance.update(verdict)
+        self.committed.extend(message.new_tokens)
+        ready = self._ready.get(verdict.branch)
+        self._ready = {}
+        if ready is not None and len(ready.tokens) >= message.gamma:
+            g = message.gamma
+            keep = window.base_length + verdict.accepted  # committed + accepted window tokens
+            self.draft.cache.adopt_row(ready.cache, ready.row, ready.cache.length - len(ready.tokens), g, keep)
+            self.draft.cache_tokens[keep:] = [verdict.correction, *ready.tokens[: g - 1].tolist()]
+            k = self.settings.runner_up_k
+            pad = np.zeros((1, k), np.int64), np.full((1, k), -np.inf, np.float32)
+            return _Window(ready.tokens[:g].copy(), np.concatenate([ready.top_ids[:g], pad[0]]),
+                           np.concatenate([ready.top_logprobs[:g], pad[1]]), len(self.committed)), True
+        return self._fresh(message.gamma), False
+
+    # ---- speculation -------------------------------------------------------------------------------------
+    def _speculate(self, window: _Window):
+        """Roll out branches of ``window`` until a verdict (or End/Stop) must be answered; return that message."""
+        self._ready = {}
+        cap_mode = self.settings.budget == "cap"
+        exit_msg, held, extended = None, None, False
+        spent: set[tuple[int, int]] = set()
+        message = self._poll()
+        while True:
+            if isinstance(message, _Exit):
+                exit_msg = message
+            elif isinstance(message, _Verdict) and cap_mode:
+                held = message
+            elif message is not None:
+                return message
+            if not extended:
+                self._extend_last(window)
+                extended = True
+                message = self._poll()
+                continue
+            batch = []
+            if len(spent) < self.settings.max_branches:
+                room = min(self.settings.branch_batch, self.settings.max_branches - len(spent))
+                batch = rank_branches(window.tokens, window.top_ids, window.top_logprobs,
+                                      exit_msg.ids if exit_msg else None, exit_msg.logprobs if exit_msg else None,
+                                      self.acceptance.rate, frozenset(spent), room)
+            if batch:
+                spent.update((b.depth, b.token) for b in batch)
+                message = self._roll_out(window, batch, abandon=not cap_mode)
+            elif held is not None:
+                return held
+            else:
+                message = self.inbox.get()  # nothing left worth doing: block until told
+
+    def _extend_last(self, window: _Window) -> None:
+        """One forward on the window's last token: the draft's own candidates after a fully accepted window."""
+        # The main cache holds exactly committed + window[:-1] here (fresh rollout or adopted branch).
+        start = time.perf_counter()
+        logits = self.draft.extend([int(window.tokens[-1])])
+        self.counters.busy.append((start, time.perf_counter()))
+        self.counters.forwards_since_verdict += 1
+        ids, lps = top_k_logprobs(logits[-1:], self.settings.runner_up_k)
+        window.top_ids[-1], window.top_logprobs[-1] = ids[0], lps[0]
+
+    def _roll_out(self, window: _Window, batch, abandon: bool) -> object | None:
+        """Roll out ``batch`` branches together, one row each, g forwards. Returns a message that arrived.
+
+        Row r continues committed + window[:d_r - 1] + v_r. The rows share the main cache's slots; slots
+        beyond each row's branch point are masked out (holes), so one tiled cache serves every depth.
+        """
+        g, rows = len(window.tokens), len(batch)
+        base = self.draft.cache  # committed + the whole window
+        cache = base.tiled(rows, g)
+        mask = np.ones((rows, base.length), np.int64)
+        positions = np.empty((rows, 1), np.int64)
+        for r, branch in enumerate(batch):
+            keep = window.base_length + branch.depth - 1
+            mask[r, keep:] = 0
+            positions[r, 0] = keep
+        ids = np.array([[b.token] for b in batch], np.int64)
+        tokens, top_ids, top_lps = [], [], []
+        message = None
+        for step in range(g):
+            mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], axis=1)
+            start = time.perf_counter()
+            logits = self.draft.forward(cache, ids, mask, positions)[:, -1]  # [rows, vocab]
+            self.counters.busy.append((start, time.perf_counter()))
+            self.counters.forwards_since_verdict += 1
+            tids, tlps = top_k_logprobs(logits, self.settings.runner_up_k)
+            tokens.append(tids[:, 0])
+            top_ids.append(tids)
+            top_lps.append(tlps)
+            ids, positions = tids[:, :1].copy(), positions + 1
+            if message is None:
+                message = self._poll()
+                if isinstance(message, _Verdict) and abandon:
+                    if not any((b.depth, b.token) == message.verdict.branch for b in batch):
+                        return message  # abandon: the verdict wants another branch
+                elif message is not None and not isinstance(message, (_Exit, _Verdict)):
+                    return message
+        self.counters.branches += rows
+        stacked = np.stack(tokens, axis=1), np.stack(top_ids, axis=1), np.stack(top_lps, axis=1)  # [rows, g, ...]
+        for r, branch in enumerate(batch):
+            self._ready[(branch.depth, branch.token)] = _Ready(cache, r, stacked[0][r], stacked[1][r], stacked[2][r])
+        return message
+
+    def _poll(self):
+        try:
+            return self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+
+class MirrorProposer:
+    """The main thread's side of Mirror-SD: posts messages to the draft worker and waits for its windows."""
+
+    mode = "mirror"
+
+    def __init__(self, draft: DraftModel, settings: MirrorSettings = MirrorSettings()) -> None:
+        self.draft, self.settings = draft, settings
+        self.worker: DraftWorker | None = None
+        self._awaiting_window = False
+        self._active = False
+
+    @property
+    def counters(self) -> WorkerCounters:
+        return self.worker.counters if self.worker else WorkerCounters()
+
+    def reset(self, prompt: list[int]) -> None:
+        if self.worker is None or not self.worker.is_alive():
+            self.worker = DraftWorker(self.draft, self.settings)
+            self.worker.start()
+        self.worker.counters = WorkerCounters()
+        while not self.worker.outbox.empty():  # a window left over from a generation that failed
+            self.worker.outbox.get_nowait()
+        self._awaiting_window, self._active = False, True
+        self.worker.inbox.put(_Prefill(list(prompt)))
+
+    def propose(self, committed: list[int], gamma: int) -> Proposal:
+        if not self._awaiting_window:
+            self.worker.inbox.put(_Propose(list(committed), gamma))
+        self._awaiting_window = False
+        try:
+            reply = self.worker.outbox.get(timeout=self.settings.timeout_s)
+        except queue.Empty:
+            self._active = False
+            raise DraftWorkerError("The draft worker did not deliver a window",
+                                   f"no answer within {self.settings.timeout_s:.0f} s (a hung draft device?)",
+                                   "check the draft device, or raise the timeout") from None
+        if isinstance(reply, _Failed):
+            self._active = False
+            raise DraftWorkerError("The draft worker failed", f"{type(reply.error).__name__}: {reply.error}",
+                                   "see the chained exception; the target itself is unaffected") from reply.error
+        if not isinstance(reply, Proposal) or reply.tokens.ndim != 1 or len(reply.tokens) < gamma:
+            self._active = False
+            raise DraftWorkerError("The draft worker returned a malformed window", f"got {reply!r:.200}",
+                                   "this is a bug in the draft graph or worker; please report it")
+        return reply
+
+    def exit_callback(self):
+        if not self._active:
+            return None
+        inbox = self.worker.inbox
+        return lambda ids, logprobs: inbox.put(_Exit(ids, logprobs))
+
+    def observe(self, verdict: Verdict, new_tokens: list[int], next_gamma: int) -> None:
+        if self._active:
+            self.worker.inbox.put(_Verdict(verdict, list(new_tokens), next_gamma))
+            self._awaiting_window = True
+
+    def finish(self) -> None:
+        if self._active and self.worker is not None:
+            self.worker.inbox.put(_End())
+            self._active = False
+            self._awaiting_window = False
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self.worker is not None:
+            self.worker.inbox.put(_Stop())
+            self.worker.join(timeout)
+            alive = self.worker.is_alive()
+            self.worker = None
+            if alive:
+                raise DraftWorkerError("The draft worker did not stop", f"still running after {timeout:.0f} s",
+                                       "a draft graph call is hung; the process must exit to free it")

@@ -1,0 +1,130 @@
+"""The target (prefix -> exit head -> suffix) and the draft, each driving its graphs and KV caches.
+
+Position ids are the logical positions of the tokens (left padding excluded); attention masks cover every cache
+slot plus the new tokens. Holes (mask 0) are allowed anywhere: padding, or slots of branches not taken.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from mirrorsd import names
+from mirrorsd.runtime.kv_cache import KVCache
+from mirrorsd.runtime.session import GraphSession
+
+ExitCallback = Callable[[np.ndarray, np.ndarray], None]  # (topk_ids [S, k], topk_logprobs [S, k])
+
+
+def single_row_inputs(tokens: np.ndarray, past: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ids [1, S], mask [1, past + S], positions [1, S] for one unpadded sequence continuing at ``past``."""
+    s = len(tokens)
+    ids = np.asarray(tokens, np.int64).reshape(1, s)
+    mask = np.ones((1, past + s), np.int64)
+    positions = np.arange(past, past + s, dtype=np.int64).reshape(1, s)
+    return ids, mask, positions
+
+
+class TargetModel:
+    """The split target: prefix graph, early-exit head, suffix graph, and the KV caches of both halves."""
+
+    def __init__(self, prefix: GraphSession, exit_head: GraphSession, suffix: GraphSession) -> None:
+        self.prefix, self.exit_head, self.suffix = prefix, exit_head, suffix
+        self.prefix_cache = KVCache(prefix.spec.kv)
+        self.suffix_cache = KVCache(suffix.spec.kv)
+        self._hidden_name = prefix.output_names[0]
+        self._logits_name = suffix.output_names[0]
+        self._topk_ids, self._topk_logprobs = exit_head.output_names[:2]
+
+    @property
+    def length(self) -> int:
+        return self.prefix_cache.length
+
+    def reset(self, batch: int = 1, capacity: int = 64) -> None:
+        self.prefix_cache = KVCache(self.prefix.spec.kv, batch, capacity)
+        self.suffix_cache = KVCache(self.suffix.spec.kv, batch, capacity)
+
+    def truncate(self, length: int) -> None:
+        self.prefix_cache.truncate(length)
+        self.suffix_cache.truncate(length)
+
+    def forward(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
+                on_exit: ExitCallback | None = None) -> np.ndarray:
+        """ids [B, S] -> logits [B, S, vocab]; appends S slots to both caches.
+
+        With ``on_exit`` the exit head runs on the prefix's hidden state before the suffix starts, and its top-k
+        (batch row 0) is handed over at once: this is the early-exit message of Mirror-SD.
+        """
+        new = ids.shape[1]
+        feeds = {self.prefix.first_input: ids, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
+        feeds.update(self.prefix_cache.past_feeds())
+        out = self.prefix.run(feeds)
+        self.prefix_cache.append_presents(out, new)
+        hidden = out[self._hidden_name]  # [B, S, H]
+        if on_exit is not None:
+            head = self.exit_head.run({self.exit_head.first_input: hidden})
+            on_exit(head[self._topk_ids][0], head[self._topk_logprobs][0])
+        feeds = {self.suffix.first_input: hidden, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
+        feeds.update(self.suffix_cache.past_feeds())
+        out = self.suffix.run(feeds)
+        self.suffix_cache.append_presents(out, new)
+        return out[self._logits_name]
+
+    def extend(self, tokens, on_exit: ExitCallback | None = None) -> np.ndarray:
+        """Single sequence: feed ``tokens`` after the cached ones; returns logits [S, vocab]."""
+        ids, mask, positions = single_row_inputs(tokens, self.length)
+        return self.forward(ids, mask, positions, on_exit)[0]
+
+
+class DraftModel:
+    """The draft graph with its main KV cache; branch rollouts pass caches of their own."""
+
+    def __init__(self, session: GraphSession) -> None:
+        self.session = session
+        self.cache = KVCache(session.spec.kv)
+        self.cache_tokens: list[int] = []  # the tokens whose KV fills cache slots [0, length)
+        self._agreed = 0  # cache_tokens[:_agreed] is known to be committed (committed text never changes)
+        self._logits_name = session.output_names[0]
+
+    def reset(self, capacity: int = 64) -> None:
+        self.cache = KVCache(self.session.spec.kv, 1, capacity)
+        self.cache_tokens = []
+        self._agreed = 0
+
+    def forward(self, cache: KVCache, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """ids [B, S] -> logits [B, S, vocab]; appends S slots to ``cache``."""
+        feeds = {self.session.first_input: ids, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
+        feeds.update(cache.past_feeds())
+        out = self.session.run(feeds)
+        logits = out[self._logits_name]
+        if logits.ndim != 3 or logits.shape[:2] != ids.shape:
+            raise ValueError(f"draft returned logits of shape {logits.shape} for inputs {ids.shape}")
+        cache.append_presents(out, ids.shape[1])
+        return logits
+
+    def sync_to(self, committed: list[int]) -> list[int]:
+        """Roll the main cache back to its longest prefix that is still committed; return the tokens to feed.
+
+        ``committed`` must only ever grow between calls (it is the committed text, never a speculative one).
+        """
+        keep = common_prefix(self.cache_tokens, committed, self._agreed)
+        self._agreed = keep
+        self.cache.truncate(keep)
+        del self.cache_tokens[keep:]
+        return committed[keep:]
+
+    def extend(self, tokens: list[int]) -> np.ndarray:
+        """Feed ``tokens`` to the main cache; logits [S, vocab]."""
+        ids, mask, positions = single_row_inputs(tokens, self.cache.length)
+        logits = self.forward(self.cache, ids, mask, positions)[0]
+        self.cache_tokens.extend(int(t) for t in tokens)
+        return logits
+
+
+def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
+    """Length of the common prefix of ``a`` and ``b``, given that the first ``start`` items are known equal."""
+    n = min(len(a), len(b))
+    i = min(start, n)
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

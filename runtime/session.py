@@ -1,0 +1,58 @@
+"""One wrapper per graph session: owns the backend session, reads names from the manifest, keeps timings."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mirrorsd.errors import GraphFileError
+from mirrorsd.manifest import GraphSpec
+
+
+@dataclass
+class Timeline:
+    """Busy intervals of one device (perf_counter seconds), appended by the thread that runs it."""
+
+    intervals: list[tuple[float, float]] = field(default_factory=list)
+
+    def busy(self) -> float:
+        return sum(b - a for a, b in self.intervals)
+
+    def clear(self) -> None:
+        self.intervals.clear()
+
+
+class GraphSession:
+    """Runs one graph of an export folder; every tensor name comes from its GraphSpec."""
+
+    def __init__(self, spec: GraphSpec, backend_session, placement, timeline: Timeline) -> None:
+        self.spec, self.backend, self.placement, self.timeline = spec, backend_session, placement, timeline
+        self.input_names = spec.input_names()
+        self.output_names = spec.output_names()
+        self.first_input = self.input_names[0]
+        missing = set(self.input_names) - set(backend_session.input_names())
+        if missing:
+            raise GraphFileError(f"Graph '{spec.file}' lacks inputs the manifest names: {sorted(missing)[:4]}",
+                                 "the ONNX file and mirrorsd.json do not belong together", "re-export the folder")
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        start = time.perf_counter()
+        outputs = self.backend.run(feeds)
+        self.timeline.intervals.append((start, time.perf_counter()))
+        self.calls += 1
+        return outputs
+
+
+def graph_path(folder: Path, spec: GraphSpec) -> Path:
+    from mirrorsd.manifest import check_inside
+
+    path = check_inside(folder, spec.file, f"graph '{spec.role}'")
+    if not path.is_file():
+        raise GraphFileError(f"Graph file '{spec.file}' is missing from {folder}", "the folder is incomplete",
+                             "re-export the folder")
+    return path

@@ -1,0 +1,109 @@
+"""Verification and branch selection: pure NumPy, no sessions, no threads.
+
+Glossary
+    window      the draft's proposal y^1..y^g (g = gamma tokens) after the last committed token
+    target      the target's own greedy tokens y1..y(g+1): y_i follows committed + y^1..y^(i-1)
+    accepted    A = the longest prefix of the window that equals the target's tokens (0..g)
+    correction  c = y(A+1): the target's token where the window first differs
+    bonus       the correction when the whole window was accepted (A = g)
+    branch      (depth d, token v): "the target accepts y^1..y^(d-1), then its token at d is v"; Mirror-SD
+                pre-computes the draft's next window for likely branches; the verdict (A, c) hits branch (A+1, c)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int
+    correction: int
+    drafted: int
+
+    @property
+    def bonus(self) -> bool:
+        return self.accepted == self.drafted
+
+    @property
+    def branch(self) -> tuple[int, int]:
+        """The branch key that the next window must come from: (A + 1, c)."""
+        return self.accepted + 1, self.correction
+
+
+def verify_greedy(window: np.ndarray, target_tokens: np.ndarray) -> Verdict:
+    """window [g] draft tokens, target_tokens [g + 1] target argmaxes -> Verdict(A, c)."""
+    g = len(window)
+    if len(target_tokens) != g + 1:
+        raise ValueError(f"need {g + 1} target tokens for a window of {g}, got {len(target_tokens)}")
+    mismatches = np.flatnonzero(np.asarray(window) != np.asarray(target_tokens[:g]))
+    accepted = int(mismatches[0]) if mismatches.size else g
+    return Verdict(accepted, int(target_tokens[accepted]), g)
+
+
+def greedy_tokens(logits: np.ndarray) -> np.ndarray:
+    """logits [S, vocab] -> argmax ids [S] (first index on exact ties, like torch.argmax)."""
+    return np.argmax(logits, axis=-1)
+
+
+def top_k_logprobs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """logits [S, vocab] -> (ids [S, k], log-probs [S, k]) sorted by decreasing probability."""
+    k = min(k, logits.shape[-1])
+    ids = np.argpartition(-logits, k - 1, axis=-1)[:, :k]  # [S, k] unordered
+    top = np.take_along_axis(logits, ids, axis=-1)
+    order = np.argsort(-top, axis=-1, kind="stable")
+    ids, top = np.take_along_axis(ids, order, -1), np.take_along_axis(top, order, -1)
+    peak = logits.max(axis=-1, keepdims=True)
+    log_norm = peak + np.log(np.exp(logits - peak).sum(axis=-1, keepdims=True))
+    return ids, top - log_norm
+
+
+def top2_margin(logits: np.ndarray) -> np.ndarray:
+    """logits [S, vocab] -> top-1 minus top-2 logit [S] (near-tie detector for the tie-aware oracle)."""
+    part = np.partition(logits, -2, axis=-1)
+    return part[..., -1] - part[..., -2]
+
+
+@dataclass(frozen=True)
+class Branch:
+    depth: int  # 1..g+1
+    token: int
+    score: float  # estimated probability that the verdict is exactly (depth, token)
+
+
+def rank_branches(window: np.ndarray, draft_ids: np.ndarray, draft_logprobs: np.ndarray,
+                  exit_ids: np.ndarray | None = None, exit_logprobs: np.ndarray | None = None,
+                  accept_rate: float = 0.7, exclude: frozenset[tuple[int, int]] = frozenset(),
+                  limit: int | None = None) -> list[Branch]:
+    """Candidate branches ranked by the estimated probability that the verdict is exactly (d, v), best first.
+
+    window [g]; draft_ids/draft_logprobs [g + 1, k_d]: the draft's top tokens at each window position (row g is
+    the position after the window); exit_ids/exit_logprobs [g + 1, k_e]: the early exit's top tokens, if known.
+    accept_rate a: the measured chance that the target accepts a drafted token (the draft's own softmax is not
+    calibrated for that, so acceptance is modelled as geometric: P(A >= d) = a^d).
+    q_d(v) = mean of the sources' probabilities of v at d (a source that does not list v gives 0);
+        d <= g:  score(d, v) = a^(d-1) * (1 - a) * q_d(v) / (1 - q_d(window_d)),   v != window_d
+        d = g+1: score(d, v) = a^g * q_d(v)                                         (the bonus token)
+    """
+    g = len(window)
+    a = float(min(max(accept_rate, 0.0), 1.0))
+    sources = [(draft_ids, draft_logprobs)] + ([(exit_ids, exit_logprobs)] if exit_ids is not None else [])
+    ranked = []
+    for d in range(g + 1):
+        probs: dict[int, float] = {}
+        for ids, logprobs in sources:
+            for tok, p in zip(ids[d].tolist(), np.exp(logprobs[d]).tolist()):
+                probs[tok] = probs.get(tok, 0.0) + p / len(sources)
+        if d < g:
+            drafted = int(window[d])
+            miss = max(1.0 - probs.get(drafted, 0.0), 1e-6)
+            weight = a**d * (1.0 - a) / miss
+        else:
+            drafted, weight = None, a**g
+        for tok, p in probs.items():
+            key = (d + 1, tok)
+            if tok != drafted and key not in exclude and weight * p > 0:
+                ranked.append(Branch(d + 1, tok, weight * p))
+    ranked.sort(key=lambda b: (-b.score, b.depth, b.token))
+    return ranked[:limit] if limit is not None else ranked
