@@ -87,7 +87,10 @@ def _propose(proposer: Proposer, committed, gamma, settings: DecodeSettings, cou
         if settings.on_draft_failure != "fallback":
             raise
         counters.draft_failures += 1
-        proposer.finish()
+        try:
+            proposer.finish(timeout=1.0)
+        except DraftWorkerError:
+            pass  # a hung draft call: its thread exits when the call returns (it finds Stop); we go on without it
         fallback = TargetOnly()
         return fallback.propose(committed, gamma), fallback
 

@@ -64,12 +64,8 @@ class _Verdict:
     gamma: int
 
 
-class _End:
-    """Generation over: drop speculation, wait for the next request."""
-
-
 class _Stop:
-    """Close the worker."""
+    """Generation over (or failed): the worker drops what it was doing and exits."""
 
 
 # Messages (worker -> main)
@@ -161,8 +157,8 @@ class DraftWorker(threading.Thread):
                 if not isinstance(message, _Verdict):
                     break
                 window, reused = self._next_window(window, message)
-            return self.inbox.get() if isinstance(message, _End) else message
-        return self.inbox.get()  # stale exit messages or an End outside a generation
+            return message
+        return self.inbox.get()  # a stale exit message
 
     # ---- windows -----------------------------------------------------------------------------------------
     def _fresh(self, gamma: int) -> _Window:
@@ -304,18 +300,18 @@ class MirrorProposer:
         self.worker: DraftWorker | None = None
         self._awaiting_window = False
         self._active = False
+        self.last_counters = WorkerCounters()
 
     @property
     def counters(self) -> WorkerCounters:
-        return self.worker.counters if self.worker else WorkerCounters()
+        """The counters of the running worker, or of the last one that finished."""
+        return self.worker.counters if self.worker else self.last_counters
 
     def reset(self, prompt: list[int]) -> None:
-        if self.worker is None or not self.worker.is_alive():
-            self.worker = DraftWorker(self.draft, self.settings)
-            self.worker.start()
-        self.worker.counters = WorkerCounters()
-        while not self.worker.outbox.empty():  # a window left over from a generation that failed
-            self.worker.outbox.get_nowait()
+        """Start this generation's worker (one per generation: a finished one leaves no thread behind)."""
+        self.finish()
+        self.worker = DraftWorker(self.draft, self.settings)
+        self.worker.start()
         self._awaiting_window, self._active = False, True
         self.worker.inbox.put(_Prefill(list(prompt)))
 
@@ -351,18 +347,18 @@ class MirrorProposer:
             self.worker.inbox.put(_Verdict(verdict, list(new_tokens), next_gamma))
             self._awaiting_window = True
 
-    def finish(self) -> None:
-        if self._active and self.worker is not None:
-            self.worker.inbox.put(_End())
-            self._active = False
-            self._awaiting_window = False
+    def finish(self, timeout: float | None = None) -> None:
+        """Stop and join the worker; a worker stuck in a draft call for longer than the timeout is an error."""
+        self._active = self._awaiting_window = False
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return
+        worker.inbox.put(_Stop())
+        worker.join(self.settings.timeout_s if timeout is None else timeout)
+        if worker.is_alive():
+            raise DraftWorkerError("The draft worker did not stop", "a draft graph call is still running",
+                                   "the draft device may be hung; restart the process to free it")
+        self.last_counters = worker.counters
 
-    def close(self, timeout: float = 30.0) -> None:
-        if self.worker is not None:
-            self.worker.inbox.put(_Stop())
-            self.worker.join(timeout)
-            alive = self.worker.is_alive()
-            self.worker = None
-            if alive:
-                raise DraftWorkerError("The draft worker did not stop", f"still running after {timeout:.0f} s",
-                                       "a draft graph call is hung; the process must exit to free it")
+    def close(self) -> None:
+        self.finish()

@@ -36,6 +36,7 @@ class GenerationConfig:
     branches: int = 4  # Mirror-SD: branches rolled out per step at most
     branch_batch: int = 2  # Mirror-SD: branches per batched draft rollout
     runner_up_k: int = 4  # Mirror-SD: the draft's own candidate tokens per position
+    branch_budget: str = "time"  # Mirror-SD: "time" (until the verdict) or "cap" (always `branches`)
     chat: bool = True  # apply the chat template to a text prompt
     system: str | None = None
     record_margins: bool = False
@@ -50,6 +51,9 @@ class GenerationConfig:
             if not isinstance(value, int) or value < 1:
                 raise GenerationInputError(f"{name} must be a positive integer, got {value!r}",
                                            "it counts tokens or branches", f"pass {name} >= 1")
+        if self.branch_budget not in ("time", "cap"):
+            raise GenerationInputError(f"branch_budget '{self.branch_budget}' is unknown",
+                                       "it is 'time' or 'cap'", "pick one")
         if self.on_draft_failure not in ("raise", "fallback"):
             raise GenerationInputError(f"on_draft_failure '{self.on_draft_failure}' is unknown",
                                        "it is 'raise' or 'fallback'", "pick one")
@@ -166,7 +170,8 @@ class Pipeline:
             return TargetOnly()
         if config.mode == "sd":
             return SerialDraft(self.draft)
-        settings = MirrorSettings(config.branches, config.branch_batch, config.runner_up_k, config.draft_timeout_s)
+        settings = MirrorSettings(config.branches, config.branch_batch, config.runner_up_k, config.draft_timeout_s,
+                                  config.branch_budget)
         if self._mirror is None or self._mirror.settings != settings:
             if self._mirror is not None:
                 self._mirror.close()

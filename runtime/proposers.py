@@ -44,7 +44,7 @@ class Proposer(Protocol):
 
     def observe(self, verdict: Verdict, new_tokens: list[int], next_gamma: int) -> None: ...
 
-    def finish(self) -> None: ...
+    def finish(self, timeout: float | None = None) -> None: ...
 
 
 def greedy_rollout(draft: DraftModel, committed: list[int], gamma: int, top_k: int = 0) -> Rollout:
@@ -84,7 +84,7 @@ class TargetOnly:
     def observe(self, verdict: Verdict, new_tokens: list[int], next_gamma: int) -> None:
         pass
 
-    def finish(self) -> None:
+    def finish(self, timeout: float | None = None) -> None:
         pass
 
     def close(self) -> None:
