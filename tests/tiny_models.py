@@ -26,7 +26,7 @@ CONFIGS = {
 }
 
 
-def build_tokenizer(folder: Path):
+def build_tokenizer(folder: Path, corpus: list[str] = CORPUS):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -35,7 +35,7 @@ def build_tokenizer(folder: Path):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     bos = tok.token_to_id("<|bos|>")
     tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
@@ -46,14 +46,14 @@ def build_tokenizer(folder: Path):
 
 
 def build_model(folder: Path, model_type: str = "llama", layers: int = 4, seed: int = 0, hidden: int = 64,
-                init_range: float = 0.3) -> Path:
+                init_range: float = 0.3, corpus: list[str] = CORPUS) -> Path:
     """Write a tiny random causal LM + tokenizer as a Hugging Face folder and return the folder."""
     import torch
     import transformers
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(folder)
+    tok = build_tokenizer(folder, corpus)
     spec = CONFIGS[model_type]
     config = getattr(transformers, spec["cls"])(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
