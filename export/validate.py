@@ -24,6 +24,10 @@ TOLERANCES = {  # check -> (atol, rtol); fp32 ONNX vs fp32 PyTorch differ only b
     "cached_logits": (1e-4, 1e-4),
     "draft_logits": (1e-4, 1e-4),
     "draft_cached_logits": (1e-4, 1e-4),
+    "draft_static_logits": (1e-4, 1e-4),  # the static draft fed one token at a time through its fixed buffer
+    "draft_streaming_logits": (1e-4, 1e-4),  # streaming draft, main stream vs the plain PyTorch draft
+    "draft_streaming_cached_logits": (1e-4, 1e-4),
+    "draft_streaming_stream_logits": (1e-4, 1e-4),  # streams vs the training path of the same module
 }
 SEQ_LEN, SPLIT_AT, PAD = 9, 5, 2
 
@@ -143,3 +147,28 @@ def require_all_passed(checks: list[Check]) -> None:
         detail = "; ".join(f"{c.name}: max |diff| {c.max_abs_diff:.3g} > {c.tolerance:.3g}" for c in failed)
         raise ValidationError("Exported graphs disagree with PyTorch", detail,
                               "report this with the model and options used; nothing was written")
+
+
+def split_logits(folder, info, exit_layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of prefix -> suffix on the validation batch, and its mask (to compare precisions)."""
+    prefix = GraphRunner(folder / "prefix.onnx", range(0, exit_layer), info.num_kv_heads, info.head_dim)
+    suffix = GraphRunner(folder / "suffix.onnx", range(exit_layer, info.num_layers), info.num_kv_heads, info.head_dim)
+    ids, mask, pos = sample_batch(info.vocab_size)
+    hidden, _ = prefix.run(ids, mask, pos)
+    return suffix.run(hidden, mask, pos)[0], mask
+
+
+def draft_logits(folder, info) -> tuple[np.ndarray, np.ndarray]:
+    draft = GraphRunner(folder / "draft.onnx", range(0, info.num_layers), info.num_kv_heads, info.head_dim)
+    ids, mask, pos = sample_batch(info.vocab_size, seed=1)
+    return draft.run(ids, mask, pos)[0], mask
+
+
+def quantization_effect(before: np.ndarray, after: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """How far quantized logits moved from fp32 ones (recorded, not a pass/fail: only non-finite output fails)."""
+    sel = mask.astype(bool)
+    if not np.isfinite(after[sel]).all():
+        raise ValidationError("A quantized graph produced non-finite logits", "the quantizer broke the graph",
+                              "export with --precision fp32 and report the model")
+    agree = float(np.mean(np.argmax(before[sel], -1) == np.argmax(after[sel], -1)))
+    return {"quant_max_abs_diff": float(np.max(np.abs(before[sel] - after[sel]))), "quant_top1_agreement": agree}

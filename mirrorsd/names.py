@@ -12,6 +12,7 @@ HIDDEN_STATES = "hidden_states"
 LOGITS = "logits"
 TOPK_IDS = "topk_ids"
 TOPK_LOGPROBS = "topk_logprobs"
+STREAM_LOGITS = "stream_logits"  # streaming draft: [batch, n, vocab], stream j predicts the token j+1 ahead
 
 # KV templates: global layer index filled in with %d (onnxruntime-genai's convention).
 PAST_KEY = "past_key_values.%d.key"
@@ -24,6 +25,7 @@ BATCH = "batch_size"
 SEQUENCE = "sequence_length"
 PAST_SEQUENCE = "past_sequence_length"
 TOTAL_SEQUENCE = "total_sequence_length"
+PRESENT_SEQUENCE = "present_sequence_length"  # static draft only: its present holds the new slots alone
 
 # Graph roles and their file names inside an export folder.
 PREFIX = "prefix"
@@ -31,6 +33,9 @@ EXIT_HEAD = "exit_head"
 SUFFIX = "suffix"
 DRAFT = "draft"
 GRAPH_ROLES = (PREFIX, EXIT_HEAD, SUFFIX, DRAFT)
+DRAFT_STATIC = "draft_static"  # optional: the draft with fixed shapes for NPUs (mirrorsd-export --static-draft)
+DRAFT_STREAMING = "draft_streaming"  # optional: the draft + n lookahead streams (mirrorsd-train-draft folder)
+OPTIONAL_ROLES = (DRAFT_STATIC, DRAFT_STREAMING)
 MANIFEST_FILE = "mirrorsd.json"
 TOKENIZER_DIR = "tokenizer"
 

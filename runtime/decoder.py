@@ -3,7 +3,8 @@
     prefill:  target(prompt) -> first token c0           (cache: prompt; c0 pending)
     step:     window = proposer.propose(committed, g)    (g = 0 for ar)
               logits = target([last] + window)           (exit head hands top-k to the proposer on the way)
-              verdict = verify(window, argmax(logits))   (A accepted, correction c)
+              verdict = verify(window, logits)           (A accepted, correction c: greedy argmax, or a sampling
+                                                          rule at T > 0, see sampling.py)
               commit window[:A] + [c]; target cache keeps committed[:-1]; proposer.observe(verdict)
 Invariant: the target cache holds KV for every committed token but the last one.
 """
@@ -18,8 +19,9 @@ import numpy as np
 from mirrorsd.errors import DraftWorkerError
 from mirrorsd.runtime.models import TargetModel
 from mirrorsd.runtime.proposers import Proposer, TargetOnly
+from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.stats import StepCounters
-from mirrorsd.runtime.verify import greedy_tokens, top2_margin, verify_greedy
+from mirrorsd.runtime.verify import top2_margin
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class DecodeSettings:
     gamma: int = 0
     record_margins: bool = False  # top-1 minus top-2 logit of every emitted token (tie-aware oracle)
     on_draft_failure: str = "raise"  # "raise" or "fallback" (continue target-only; counted in statistics)
+    sampler: Sampler = GREEDY  # how tokens are picked: greedy (plain argmax) or sampled with a verification rule
 
 
 @dataclass
@@ -47,20 +50,23 @@ def decode(target: TargetModel, proposer: Proposer, prompt: list[int], settings:
            emit: Callable[[list[int]], None] = lambda tokens: None) -> DecodeOutcome:
     started = time.perf_counter()
     counters = StepCounters()
-    target.reset(1, len(prompt) + settings.max_new_tokens + settings.gamma + 2)
-    proposer.reset(prompt)
-    logits = target.extend(prompt)[-1:]  # [1, vocab]
-    first = int(greedy_tokens(logits)[0])
-    outcome = DecodeOutcome([], counters, 0.0, time.perf_counter() - started)
-    committed = list(prompt)
-    done = _commit([first], committed, outcome, settings, emit, logits if settings.record_margins else None)
-    gamma = _room(settings, committed, outcome)
-    try:
+    # the budget may exceed the context (max_new_tokens=10**9): the cache never holds more than the context
+    target.reset(1, min(len(prompt) + settings.max_new_tokens, settings.context_limit) + settings.gamma + 2)
+    sampler = settings.sampler
+    proposer.reset(prompt, sampler)
+    try:  # from here on the proposer may run a worker thread: stop it however this ends (emit may raise too)
+        logits = target.extend(prompt)[-1:]  # [1, vocab]
+        first = sampler.first_token(logits, prompt)
+        outcome = DecodeOutcome([], counters, 0.0, time.perf_counter() - started)
+        committed = list(prompt)
+        done = _commit([first], committed, outcome, settings, emit, logits if settings.record_margins else None)
+        gamma = _room(settings, committed, outcome)
         while not done:
             proposal, proposer = _propose(proposer, committed, gamma, settings, counters)
             window = proposal.tokens[:gamma]
             logits = target.extend([committed[-1], *window.tolist()], proposer.exit_callback() if gamma else None)
-            verdict = verify_greedy(window, greedy_tokens(logits))
+            probs = None if proposal.probs is None else proposal.probs[:gamma]
+            verdict = sampler.verify(window, probs, logits, committed)
             counters.record(len(window), verdict.accepted, proposal.reused if gamma else None,
                             proposal.draft_forwards)
             new = [*window[: verdict.accepted].tolist(), verdict.correction]

@@ -9,9 +9,12 @@
     observe(verdict)                    -- Verdict->   until the verdict arrives or the cap is reached
                                                      branch (A+1, c) ready? adopt its KV + tokens (reuse)
                                                      else roll out afresh (fallback)
-Only token ids and log-probs cross between the threads. The worker owns the draft model and its caches; the main
-thread never touches them. A worker failure reaches the caller as DraftWorkerError; nothing busy-waits (the
-worker polls its inbox only between draft forwards, and blocks when it has nothing to do).
+Only token ids and log-probs cross between the threads (and, for the residual sampling rule, each window's q).
+At T > 0 every draft token is drawn with keyed randomness (sampling.py): a branch's window is the one a fresh
+rollout after the verdict would draw, so reuse never changes the tokens, whatever the timing.
+The worker owns the draft model and its caches; the main thread never touches them. A worker failure reaches the
+caller as DraftWorkerError; nothing busy-waits (the worker polls its inbox only between draft forwards, and blocks
+when it has nothing to do).
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ import numpy as np
 from mirrorsd.errors import DraftWorkerError
 from mirrorsd.runtime.kv_cache import KVCache
 from mirrorsd.runtime.models import DraftModel
-from mirrorsd.runtime.proposers import Proposal, greedy_rollout
+from mirrorsd.runtime.proposers import Proposal, draft_rollout
+from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.verify import Verdict, rank_branches, top_k_logprobs
 
 
@@ -37,6 +41,7 @@ class MirrorSettings:
     timeout_s: float = 120.0  # the main thread gives up on a silent worker after this long
     budget: str = "time"  # "time": stop at the verdict (the paper's overlap budget); "cap": always roll out
     #                       max_branches before reading the verdict (deterministic; for tests and hit-rate studies)
+    use_exit_head: bool = True  # hand the early exit's top-k to the worker (costs one LM-head pass per step)
 
 
 # Messages (main -> worker)
@@ -82,6 +87,7 @@ class _Window:
     top_ids: np.ndarray  # [g + 1, k] (row g filled by the extend forward)
     top_logprobs: np.ndarray
     base_length: int  # committed tokens when the window was drafted (C)
+    probs: np.ndarray | None = None  # [g, vocab] q per token (residual rule)
 
 
 @dataclass
@@ -91,6 +97,7 @@ class _Ready:
     tokens: np.ndarray  # [g] the branch's rollout: the next window if the verdict hits it
     top_ids: np.ndarray  # [g, k]
     top_logprobs: np.ndarray
+    probs: np.ndarray | None = None  # [g, vocab] q per token (residual rule)
 
 
 @dataclass
@@ -120,9 +127,11 @@ class WorkerCounters:
 class DraftWorker(threading.Thread):
     """Owns the draft model; answers each verdict with the next window."""
 
-    def __init__(self, draft: DraftModel, settings: MirrorSettings) -> None:
+    def __init__(self, draft: DraftModel, settings: MirrorSettings, sampler: Sampler = GREEDY,
+                 rollout=draft_rollout) -> None:
         super().__init__(name="mirrorsd-draft", daemon=True)
-        self.draft, self.settings = draft, settings
+        self.draft, self.settings, self.sampler = draft, settings, sampler
+        self.rollout = rollout  # fresh windows: draft_rollout, or streaming_rollout for a streaming draft
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.committed: list[int] = []
@@ -164,18 +173,18 @@ class DraftWorker(threading.Thread):
     def _fresh(self, gamma: int) -> _Window:
         k = self.settings.runner_up_k
         start = time.perf_counter()
-        rollout = greedy_rollout(self.draft, self.committed, gamma, k)
+        rollout = self.rollout(self.draft, self.committed, gamma, k, self.sampler)
         self.counters.busy.append((start, time.perf_counter()))
         self.counters.forwards_since_verdict += rollout.forwards
         pad = np.zeros((1, k), np.int64), np.full((1, k), -np.inf, np.float32)
         return _Window(rollout.tokens, np.concatenate([rollout.top_ids, pad[0]]),
-                       np.concatenate([rollout.top_logprobs, pad[1]]), len(self.committed))
+                       np.concatenate([rollout.top_logprobs, pad[1]]), len(self.committed), rollout.probs)
 
     def _deliver(self, window: _Window, reused: bool) -> None:
         self.outbox.put(self._proposal(window, reused))
 
     def _proposal(self, window: _Window, reused: bool) -> Proposal:
-        proposal = Proposal(window.tokens.copy(), reused, self.counters.forwards_since_verdict)
+        proposal = Proposal(window.tokens.copy(), reused, self.counters.forwards_since_verdict, window.probs)
         self.counters.forwards_since_verdict = 0
         return proposal
 
@@ -194,7 +203,8 @@ class DraftWorker(threading.Thread):
             k = self.settings.runner_up_k
             pad = np.zeros((1, k), np.int64), np.full((1, k), -np.inf, np.float32)
             return _Window(ready.tokens[:g].copy(), np.concatenate([ready.top_ids[:g], pad[0]]),
-                           np.concatenate([ready.top_logprobs[:g], pad[1]]), len(self.committed)), True
+                           np.concatenate([ready.top_logprobs[:g], pad[1]]), len(self.committed),
+                           None if ready.probs is None else ready.probs[:g]), True
         return self._fresh(message.gamma), False
 
     # ---- speculation -------------------------------------------------------------------------------------
@@ -257,7 +267,9 @@ class DraftWorker(threading.Thread):
             mask[r, keep:] = 0
             positions[r, 0] = keep
         ids = np.array([[b.token] for b in batch], np.int64)
-        tokens, top_ids, top_lps = [], [], []
+        contexts = [self.committed + window.tokens[:b.depth - 1].tolist() + [b.token] for b in batch] \
+            if self.sampler.needs_context else None  # each row's text so far (repetition penalty)
+        tokens, top_ids, top_lps, probs = [], [], [], []
         message = None
         for step in range(g):
             mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], axis=1)
@@ -266,10 +278,14 @@ class DraftWorker(threading.Thread):
             self.counters.busy.append((start, time.perf_counter()))
             self.counters.forwards_since_verdict += 1
             tids, tlps = top_k_logprobs(logits, self.settings.runner_up_k)
-            tokens.append(tids[:, 0])
+            picked, q = self.sampler.draft(logits, positions[:, 0] + 1, contexts)  # drawn where a fresh rollout would
+            tokens.append(picked)
             top_ids.append(tids)
             top_lps.append(tlps)
-            ids, positions = tids[:, :1].copy(), positions + 1
+            probs.append(q)
+            if contexts is not None:
+                contexts = [c + [int(t)] for c, t in zip(contexts, picked)]
+            ids, positions = picked[:, None].astype(np.int64), positions + 1
             if message is None:
                 message = self._poll()
                 if isinstance(message, _Verdict) and abandon:
@@ -279,8 +295,10 @@ class DraftWorker(threading.Thread):
                     return message
         self.counters.branches += rows
         stacked = np.stack(tokens, axis=1), np.stack(top_ids, axis=1), np.stack(top_lps, axis=1)  # [rows, g, ...]
+        q = np.stack(probs, axis=1) if probs[0] is not None else None  # [rows, g, vocab]
         for r, branch in enumerate(batch):
-            self._ready[(branch.depth, branch.token)] = _Ready(cache, r, stacked[0][r], stacked[1][r], stacked[2][r])
+            self._ready[(branch.depth, branch.token)] = _Ready(cache, r, stacked[0][r], stacked[1][r], stacked[2][r],
+                                                               None if q is None else q[r])
         return message
 
     def _poll(self):
@@ -295,22 +313,24 @@ class MirrorProposer:
 
     mode = "mirror"
 
-    def __init__(self, draft: DraftModel, settings: MirrorSettings = MirrorSettings()) -> None:
-        self.draft, self.settings = draft, settings
+    def __init__(self, draft: DraftModel, settings: MirrorSettings = MirrorSettings(), rollout=draft_rollout) -> None:
+        self.draft, self.settings, self.rollout = draft, settings, rollout
         self.worker: DraftWorker | None = None
         self._awaiting_window = False
         self._active = False
         self.last_counters = WorkerCounters()
+        self._stuck: DraftWorker | None = None  # a stopped worker still inside a draft call (see finish)
 
     @property
     def counters(self) -> WorkerCounters:
         """The counters of the running worker, or of the last one that finished."""
         return self.worker.counters if self.worker else self.last_counters
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], sampler: Sampler = GREEDY) -> None:
         """Start this generation's worker (one per generation: a finished one leaves no thread behind)."""
         self.finish()
-        self.worker = DraftWorker(self.draft, self.settings)
+        self._wait_for_stuck()
+        self.worker = DraftWorker(self.draft, self.settings, sampler, self.rollout)
         self.worker.start()
         self._awaiting_window, self._active = False, True
         self.worker.inbox.put(_Prefill(list(prompt)))
@@ -337,7 +357,7 @@ class MirrorProposer:
         return reply
 
     def exit_callback(self):
-        if not self._active:
+        if not self._active or not self.settings.use_exit_head:
             return None
         inbox = self.worker.inbox
         return lambda ids, logprobs: inbox.put(_Exit(ids, logprobs))
@@ -356,9 +376,23 @@ class MirrorProposer:
         worker.inbox.put(_Stop())
         worker.join(self.settings.timeout_s if timeout is None else timeout)
         if worker.is_alive():
+            self._stuck = worker  # it exits when its call returns (it finds Stop); until then it owns the draft
             raise DraftWorkerError("The draft worker did not stop", "a draft graph call is still running",
                                    "the draft device may be hung; restart the process to free it")
         self.last_counters = worker.counters
 
     def close(self) -> None:
         self.finish()
+        self._wait_for_stuck()
+
+    def _wait_for_stuck(self) -> None:
+        """No second worker may touch the draft model while a stuck one may still write to its caches."""
+        if self._stuck is None:
+            return
+        self._stuck.join(self.settings.timeout_s)
+        if self._stuck.is_alive():
+            raise DraftWorkerError("The previous draft worker is still inside a draft call",
+                                   f"it has not returned for {self.settings.timeout_s:g} s more, and a new worker "
+                                   "would share the draft model with it",
+                                   "the draft device may be hung: retry later, use mode 'ar', or restart the process")
+        self._stuck = None

@@ -85,6 +85,8 @@ class DraftModel:
         self.cache_tokens: list[int] = []  # the tokens whose KV fills cache slots [0, length)
         self._agreed = 0  # cache_tokens[:_agreed] is known to be committed (committed text never changes)
         self._logits_name = session.output_names[0]
+        width = session.spec.outputs[0].shape[-1]  # the vocabulary, fixed in the manifest
+        self._vocab = width if isinstance(width, int) else None
 
     def reset(self, capacity: int = 64) -> None:
         self.cache = KVCache(self.session.spec.kv, 1, capacity)
@@ -97,7 +99,7 @@ class DraftModel:
         feeds.update(cache.past_feeds())
         out = self.session.run(feeds)
         logits = out[self._logits_name]
-        if logits.ndim != 3 or logits.shape[:2] != ids.shape:
+        if logits.ndim != 3 or logits.shape[:2] != ids.shape or self._vocab not in (None, logits.shape[2]):
             raise ValueError(f"draft returned logits of shape {logits.shape} for inputs {ids.shape}")
         cache.append_presents(out, ids.shape[1])
         return logits

@@ -3,9 +3,12 @@
     with Pipeline.load("exports/smollm2") as pipe:
         result = pipe.generate("Write a haiku about caches", GenerationConfig(mode="mirror"))
         print(result.text, result.stats.tokens_per_second)
+        sampled = pipe.generate("Write a haiku", GenerationConfig(do_sample=True, temperature=0.7, seed=1),
+                                on_text=lambda piece: print(piece, end=""))  # streamed; same seed = same text
 """
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from dataclasses import dataclass, field
@@ -17,9 +20,12 @@ from mirrorsd.errors import GenerationInputError
 from mirrorsd.manifest import Manifest, load_manifest
 from mirrorsd.runtime.decoder import DecodeSettings, decode
 from mirrorsd.runtime.mirror import MirrorProposer, MirrorSettings
-from mirrorsd.runtime.models import DraftModel, TargetModel
+from mirrorsd.runtime.models import TargetModel
 from mirrorsd.runtime.proposers import SerialDraft, TargetOnly
+from mirrorsd.runtime.sampling import RULES, Sampler, SamplingParams
 from mirrorsd.runtime.session import GraphSession, Timeline, graph_path
+from mirrorsd.runtime.static_cache import StaticDraftModel, draft_model
+from mirrorsd.runtime.streaming import StreamingSerialDraft, streaming_draft, streaming_rollout
 from mirrorsd.runtime.stats import GenerationStats, summarize
 from mirrorsd.runtime.text import StreamDecoder, TextCodec
 
@@ -37,18 +43,29 @@ class GenerationConfig:
     branch_batch: int = 2  # Mirror-SD: branches per batched draft rollout
     runner_up_k: int = 4  # Mirror-SD: the draft's own candidate tokens per position
     branch_budget: str = "time"  # Mirror-SD: "time" (until the verdict) or "cap" (always `branches`)
+    exit_head: bool = True  # Mirror-SD: send the early exit's top-k to the draft (off: draft runner-ups only)
     chat: bool = True  # apply the chat template to a text prompt
     system: str | None = None
     record_margins: bool = False
     on_draft_failure: str = "raise"  # or "fallback": continue target-only, counted in statistics
     draft_timeout_s: float = 120.0
+    # Sampling, as in transformers' generation config. None = the export's generation defaults (its model's
+    # generation_config.json), then transformers' own defaults. Greedy unless do_sample (temperature 0 = greedy).
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_k: int | None = None  # 0 = off
+    top_p: float | None = None  # 1 = off
+    repetition_penalty: float | None = None  # 1 = off
+    seed: int | None = None  # None: a fresh seed, reported in GenerationResult.sampling (the same seed = same tokens)
+    verify: str = "exact"  # sd/mirror at T > 0: "exact" (target draws, draft must match) or "residual" (p/q rule)
+    streaming: bool = True  # sd/mirror: draft with the export's streaming draft (draft_streaming) when it has one
 
     def check(self) -> None:
         if self.mode not in MODES:
             raise GenerationInputError(f"Unknown mode '{self.mode}'", f"modes are {', '.join(MODES)}", "pick one")
         for name in ("max_new_tokens", "gamma", "branches", "branch_batch", "runner_up_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GenerationInputError(f"{name} must be a positive integer, got {value!r}",
                                            "it counts tokens or branches", f"pass {name} >= 1")
         if self.branch_budget not in ("time", "cap"):
@@ -57,6 +74,12 @@ class GenerationConfig:
         if self.on_draft_failure not in ("raise", "fallback"):
             raise GenerationInputError(f"on_draft_failure '{self.on_draft_failure}' is unknown",
                                        "it is 'raise' or 'fallback'", "pick one")
+        if not isinstance(self.draft_timeout_s, (int, float)) or not self.draft_timeout_s > 0:  # NaN fails too
+            raise GenerationInputError(f"draft_timeout_s must be a positive number of seconds, got "
+                                       f"{self.draft_timeout_s!r}", "it bounds each wait for the draft worker",
+                                       "pass a value such as 120")
+        if self.verify not in RULES:
+            raise GenerationInputError(f"verify '{self.verify}' is unknown", f"it is {' or '.join(RULES)}", "pick one")
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,7 @@ class GenerationResult:
     prompt_tokens: list[int]
     stats: GenerationStats
     margins: list[float] = field(default_factory=list)
+    sampling: SamplingParams = SamplingParams()  # what was used, seed included: pass it back to repeat the run
 
 
 class Pipeline:
@@ -75,7 +99,8 @@ class Pipeline:
         self.folder, self.manifest, self.sessions, self.placements = folder, manifest, sessions, placements
         self.codec = TextCodec(folder, manifest)
         self.target = TargetModel(sessions[names.PREFIX], sessions[names.EXIT_HEAD], sessions[names.SUFFIX])
-        self.draft = DraftModel(sessions[names.DRAFT])
+        self.draft = draft_model(sessions[names.DRAFT])  # StaticDraftModel when placed on the static graph
+        self.streaming_draft = streaming_draft(sessions)  # None unless the export has a streaming draft
         self._mirror: MirrorProposer | None = None
         self._lock = threading.Lock()  # one generation at a time per pipeline: calls from two threads serialize
         self.target_timeline = sessions[names.PREFIX].timeline
@@ -84,20 +109,28 @@ class Pipeline:
     @classmethod
     def load(cls, folder: str | os.PathLike, devices=None) -> "Pipeline":
         from mirrorsd.devices.backends import default_threads
-        from mirrorsd.devices.placement import DeviceRequest, open_graph
+        from mirrorsd.devices.placement import DeviceRequest, open_graph, plan_placement
 
         folder = Path(folder).expanduser().resolve()
         manifest = load_manifest(folder)
         devices = devices or DeviceRequest()
         timelines = {"target": Timeline(), "draft": Timeline()}
         sessions, placements = {}, {}
+        plan = plan_placement(manifest, devices)  # decided once for both models; warns when auto fell back
         for role in names.GRAPH_ROLES:
-            spec = manifest.graph(role)
+            spec = manifest.graph(plan.graph_role(role))  # the draft may be served by draft_static
             threads = (devices.target_threads if spec.model == "target" else devices.draft_threads) \
                 or default_threads(2)
-            backend, placement = open_graph(graph_path(folder, spec), spec.model, devices, threads)
+            backend, placement = open_graph(graph_path(folder, spec), spec.model, devices, threads,
+                                            plan.decision(spec.model))
             sessions[role] = GraphSession(spec, backend, placement, timelines[spec.model])
             placements[role] = placement
+        if names.DRAFT_STREAMING in manifest.graphs and not plan.decision("draft").static:
+            spec = manifest.graph(names.DRAFT_STREAMING)  # beside the draft: same device, same KV cache
+            backend, placement = open_graph(graph_path(folder, spec), spec.model, devices,
+                                            devices.draft_threads or default_threads(2), plan.decision("draft"))
+            sessions[spec.role] = GraphSession(spec, backend, placement, timelines["draft"])
+            placements[spec.role] = placement
         return cls(folder, manifest, sessions, placements)
 
     @property
@@ -107,7 +140,11 @@ class Pipeline:
     def encode(self, prompt: str | list[int], config: GenerationConfig) -> list[int]:
         if isinstance(prompt, str):
             return self.codec.encode(prompt, chat=config.chat, system=config.system)
-        ids = [int(t) for t in prompt]
+        try:
+            ids = [operator.index(t) for t in prompt]  # ints and NumPy ints; not floats, strings or lists
+        except TypeError:
+            raise GenerationInputError("Prompt ids must be integers", f"the prompt holds {prompt!r:.80}",
+                                       "pass text, or token ids from this export's tokenizer") from None
         vocab = self.manifest.target.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise GenerationInputError("Prompt ids out of range", f"ids must be in 0..{vocab - 1}",
@@ -116,8 +153,9 @@ class Pipeline:
 
     def generate(self, prompt: str | list[int], config: GenerationConfig = GenerationConfig(),
                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
-        """Generate greedily; ``on_text`` receives text pieces as tokens are committed (streaming)."""
+        """Generate (greedy or sampled, see ``sampling``); ``on_text`` receives text pieces as tokens are committed."""
         config.check()
+        sampling = self.sampling(config)
         ids = self.encode(prompt, config)
         if not ids:
             raise GenerationInputError("The prompt is empty", "there is nothing to continue", "pass some text")
@@ -125,8 +163,17 @@ class Pipeline:
             raise GenerationInputError(
                 f"The prompt has {len(ids)} tokens", f"the exported graphs allow {self.context_limit} in all",
                 "shorten the prompt")
+        if config.mode != "ar" and isinstance(self.draft, StaticDraftModel):
+            self.draft.check_room(len(ids) + config.max_new_tokens, config.gamma)
         with self._lock:
-            return self._generate(ids, config, on_text)
+            return self._generate(ids, config, on_text, sampling)
+
+    def sampling(self, config: GenerationConfig) -> SamplingParams:
+        """The sampling settings ``config`` resolves to: its values, else this export's defaults, else transformers'."""
+        return SamplingParams.resolve(
+            self.manifest.generation_defaults, config.seed, config.verify, do_sample=config.do_sample,
+            temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+            repetition_penalty=config.repetition_penalty)
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Target-only greedy decoding of several token-id prompts in one left-padded batch."""
@@ -144,11 +191,12 @@ class Pipeline:
             return generate_batch(self.target, ids, max_new_tokens, self.manifest.tokenizer.eos_token_ids,
                                   pad if pad is not None else 0)
 
-    def _generate(self, ids: list[int], config: GenerationConfig, on_text) -> GenerationResult:
+    def _generate(self, ids: list[int], config: GenerationConfig, on_text, sampling: SamplingParams
+                  ) -> GenerationResult:
         proposer = self._proposer(config)
         settings = DecodeSettings(config.max_new_tokens, self.manifest.tokenizer.eos_token_ids, self.context_limit,
                                   0 if config.mode == "ar" else config.gamma, config.record_margins,
-                                  config.on_draft_failure)
+                                  config.on_draft_failure, Sampler(sampling))
         stream = StreamDecoder(self.codec) if on_text else None
         emit = (lambda new: on_text(stream.push(new))) if stream else (lambda new: None)
         self.target_timeline.clear()
@@ -163,19 +211,24 @@ class Pipeline:
             stats = summarize(config.mode, outcome.counters, len(ids), len(outcome.tokens), outcome.seconds,
                               outcome.time_to_first_token_s, list(self.target_timeline.intervals),
                               list(self.draft_timeline.intervals), placement)
-        return GenerationResult(outcome.tokens, self.codec.decode(outcome.tokens), ids, stats, outcome.margins)
+        return GenerationResult(outcome.tokens, self.codec.decode(outcome.tokens), ids, stats, outcome.margins,
+                                sampling)
 
     def _proposer(self, config: GenerationConfig):
         if config.mode == "ar":
             return TargetOnly()
+        streaming = self.streaming_draft if config.streaming else None
         if config.mode == "sd":
-            return SerialDraft(self.draft)
-        settings = MirrorSettings(config.branches, config.branch_batch, config.runner_up_k, config.draft_timeout_s,
-                                  config.branch_budget)
-        if self._mirror is None or self._mirror.settings != settings:
+            return StreamingSerialDraft(streaming) if streaming else SerialDraft(self.draft)
+        settings = MirrorSettings(max_branches=config.branches, branch_batch=config.branch_batch,
+                                  runner_up_k=config.runner_up_k, timeout_s=config.draft_timeout_s,
+                                  budget=config.branch_budget, use_exit_head=config.exit_head)
+        draft = streaming or self.draft
+        if self._mirror is None or self._mirror.settings != settings or self._mirror.draft is not draft:
             if self._mirror is not None:
                 self._mirror.close()
-            self._mirror = MirrorProposer(self.draft, settings)
+            self._mirror = MirrorProposer(draft, settings, streaming_rollout) if streaming \
+                else MirrorProposer(draft, settings)
         return self._mirror
 
     def close(self) -> None:

@@ -13,8 +13,10 @@ from typing import Protocol
 
 import numpy as np
 
+from mirrorsd.errors import DraftWorkerError
 from mirrorsd.runtime.models import DraftModel
-from mirrorsd.runtime.verify import Verdict, greedy_tokens, top_k_logprobs
+from mirrorsd.runtime.sampling import GREEDY, Sampler
+from mirrorsd.runtime.verify import Verdict, top_k_logprobs
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class Proposal:
     tokens: np.ndarray  # [g] draft tokens following the last committed token
     reused: bool  # taken from a branch rolled out before the verdict (Mirror-SD)
     draft_forwards: int  # draft graph calls spent on this window after the previous verdict
+    probs: np.ndarray | None = None  # [g, vocab] float32 q: what each token was drawn from (residual rule only)
 
 
 @dataclass(frozen=True)
@@ -30,12 +33,13 @@ class Rollout:
     top_ids: np.ndarray  # [g, k] the draft's best tokens at each window position (k may be 0)
     top_logprobs: np.ndarray  # [g, k]
     forwards: int
+    probs: np.ndarray | None = None  # [g, vocab] q per token (when the sampler's drafts sample)
 
 
 class Proposer(Protocol):
     mode: str
 
-    def reset(self, prompt: list[int]) -> None: ...
+    def reset(self, prompt: list[int], sampler: Sampler = GREEDY) -> None: ...
 
     def propose(self, committed: list[int], gamma: int) -> Proposal: ...
 
@@ -47,14 +51,20 @@ class Proposer(Protocol):
     def finish(self, timeout: float | None = None) -> None: ...
 
 
-def greedy_rollout(draft: DraftModel, committed: list[int], gamma: int, top_k: int = 0) -> Rollout:
-    """Roll the draft's main cache back to ``committed``, then draft ``gamma`` tokens greedily (gamma forwards)."""
+def draft_rollout(draft: DraftModel, committed: list[int], gamma: int, top_k: int = 0,
+                  sampler: Sampler = GREEDY) -> Rollout:
+    """Roll the draft's main cache back to ``committed``, then draft ``gamma`` tokens (gamma forwards), each picked
+    by ``sampler`` (greedy: the argmax) at its absolute position."""
     pending = draft.sync_to(committed)
-    tokens, top_ids, top_lps = [], [], []
+    tokens, top_ids, top_lps, probs = [], [], [], []
     feed = pending
-    for _ in range(gamma):
+    for i in range(gamma):
         logits = draft.extend(feed)[-1:]  # [1, vocab]
-        token = int(greedy_tokens(logits)[0])
+        context = [committed + tokens] if sampler.needs_context else None  # penalty context of this token
+        picked, q = sampler.draft(logits, [len(committed) + i], context)
+        token = int(picked[0])
+        if q is not None:
+            probs.append(q[0])
         if top_k:
             ids, lps = top_k_logprobs(logits, top_k)
             top_ids.append(ids[0])
@@ -64,7 +74,7 @@ def greedy_rollout(draft: DraftModel, committed: list[int], gamma: int, top_k: i
     shape = (gamma, top_k)
     return Rollout(np.asarray(tokens, np.int64),
                    np.asarray(top_ids, np.int64).reshape(shape), np.asarray(top_lps, np.float32).reshape(shape),
-                   gamma)
+                   gamma, np.stack(probs) if probs else None)
 
 
 class TargetOnly:
@@ -72,7 +82,7 @@ class TargetOnly:
 
     mode = "ar"
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], sampler: Sampler = GREEDY) -> None:
         pass
 
     def propose(self, committed: list[int], gamma: int) -> Proposal:
@@ -99,11 +109,17 @@ class SerialDraft(TargetOnly):
     def __init__(self, draft: DraftModel) -> None:
         self.draft = draft
         self.committed: list[int] = []
+        self.sampler = GREEDY
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], sampler: Sampler = GREEDY) -> None:
         self.draft.reset(capacity=len(prompt) + 64)
         self.committed = list(prompt)
+        self.sampler = sampler
 
     def propose(self, committed: list[int], gamma: int) -> Proposal:
-        rollout = greedy_rollout(self.draft, committed, gamma)
-        return Proposal(rollout.tokens, False, rollout.forwards)
+        try:
+            rollout = draft_rollout(self.draft, committed, gamma, sampler=self.sampler)
+        except Exception as exc:  # as in mirror: a draft failure is a DraftWorkerError, which on_draft_failure handles
+            raise DraftWorkerError("The draft model failed", f"{type(exc).__name__}: {exc}",
+                                   "see the chained exception; the target itself is unaffected") from exc
+        return Proposal(rollout.tokens, False, rollout.forwards, rollout.probs)

@@ -49,10 +49,13 @@ class GraphSession:
 
 
 def graph_path(folder: Path, spec: GraphSpec) -> Path:
+    """The checked path of a graph: inside ``folder``, present, and reading no tensor from outside its folder."""
     from mirrorsd.manifest import check_inside
+    from mirrorsd.runtime.graph_files import check_external_data
 
     path = check_inside(folder, spec.file, f"graph '{spec.role}'")
     if not path.is_file():
         raise GraphFileError(f"Graph file '{spec.file}' is missing from {folder}", "the folder is incomplete",
                              "re-export the folder")
+    check_external_data(path)  # before any backend opens it: they follow external-data paths as written
     return path

@@ -62,15 +62,28 @@ class TextCodec:
 
 
 class StreamDecoder:
-    """Turns a growing list of ids into text pieces without splitting multi-byte characters."""
+    """Turns a growing list of ids into text pieces without splitting multi-byte characters.
+
+    Each push decodes only the ids since the previous piece, behind the ids of that piece as context (decoders
+    that drop the leading space of a decode, like SentencePiece's, need a token before): O(new ids) per push,
+    where decoding everything again would make a long stream quadratic.
+
+        ids   [ ... printed ... | context (the last piece's ids) | pending ]
+                                ^ start                          ^ done
+        piece = decode(ids[start:]) minus decode(ids[start:done])
+    """
 
     def __init__(self, codec: TextCodec) -> None:
-        self.codec, self.ids, self.printed = codec, [], ""
+        self.codec, self.ids = codec, []
+        self._start = self._done = 0
+        self._context = ""  # decode(ids[start:done])
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        text = self.codec.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        text = self.codec.decode(self.ids[self._start:])
+        if text.endswith("\ufffd") or len(text) <= len(self._context):  # an incomplete UTF-8 sequence: wait
             return ""
-        piece, self.printed = text[len(self.printed):], text
+        piece = text[len(self._context):]
+        self._start, self._done = self._done, len(self.ids)
+        self._context = self.codec.decode(self.ids[self._start:self._done])
         return piece

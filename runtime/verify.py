@@ -8,6 +8,12 @@ Glossary
     bonus       the correction when the whole window was accepted (A = g)
     branch      (depth d, token v): "the target accepts y^1..y^(d-1), then its token at d is v"; Mirror-SD
                 pre-computes the draft's next window for likely branches; the verdict (A, c) hits branch (A+1, c)
+Sampling (T > 0; runtime/sampling.py makes the distributions and the uniforms, these functions only decide)
+    p_i         the target's processed distribution at window position i (after its tokens y^1..y^(i-1))
+    q_i         the draft's processed distribution that window token y^i was drawn from
+    exact       the target draws its own token y_i ~ p_i; A = longest prefix where y^i == y_i; c = y_(A+1)
+    residual    speculative sampling: accept y^i with probability min(1, p_i(y^i) / q_i(y^i)); at the first
+                rejection c ~ norm(max(0, p_i - q_i)); when all g are accepted the bonus c ~ p_(g+1)
 """
 from __future__ import annotations
 
@@ -40,6 +46,71 @@ def verify_greedy(window: np.ndarray, target_tokens: np.ndarray) -> Verdict:
     mismatches = np.flatnonzero(np.asarray(window) != np.asarray(target_tokens[:g]))
     accepted = int(mismatches[0]) if mismatches.size else g
     return Verdict(accepted, int(target_tokens[accepted]), g)
+
+
+def inverse_cdf(probs: np.ndarray, u: float) -> int:
+    """probs [V] (non-negative, any positive total), u in [0, 1) -> the token whose CDF interval holds u.
+
+    A token of probability 0 owns an empty interval, so it is never returned.
+    """
+    support = np.flatnonzero(probs > 0)
+    if support.size == 0:
+        raise ValueError("cannot sample from a distribution with no mass")
+    cdf = np.cumsum(probs[support], dtype=np.float64)
+    j = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return int(support[min(j, support.size - 1)])
+
+
+def verify_exact_sampled(window: np.ndarray, target_probs, uniforms: np.ndarray) -> Verdict:
+    """The exact-match rule: window [g], target_probs [g + 1, V] rows p_i, uniforms [g + 1] -> Verdict(A, c).
+
+    The target draws y_i = inverse_cdf(p_i, u_i) and the window is accepted up to the first y^i != y_i; c is
+    that y_i (the bonus y_(g+1) when all match). Every committed token is a target draw. p_(i+1) is conditioned on
+    y^1..y^i, which equals the committed text only while everything so far was accepted: so rows after the first
+    mismatch are never read (``target_probs`` may compute its rows lazily).
+    """
+    g = len(window)
+    if len(uniforms) != g + 1:
+        raise ValueError(f"need {g + 1} uniforms for a window of {g}, got {len(uniforms)}")
+    for i in range(g + 1):
+        y = inverse_cdf(target_probs[i], float(uniforms[i]))
+        if i == g or y != int(window[i]):
+            return Verdict(i, y, g)
+    raise AssertionError("unreachable")
+
+
+def residual_distribution(p: np.ndarray, q: np.ndarray, rejected: int) -> np.ndarray:
+    """norm(max(0, p - q)) [V], which is 0 at the ``rejected`` token (rejecting x means p(x) <= u q(x) < q(x)).
+
+    Where p <= q everywhere (p == q up to rounding, so a rejection had probability 0) it falls back to p without
+    the rejected token: a correction never repeats the window token it replaces (the draft already holds that one).
+    """
+    residual = np.maximum(np.asarray(p, np.float64) - np.asarray(q, np.float64), 0.0)
+    if residual.sum() <= 0:
+        residual = np.array(p, np.float64)
+    residual[rejected] = 0.0
+    return residual / residual.sum()
+
+
+def verify_residual(window: np.ndarray, draft_probs: np.ndarray, target_probs, accept_uniforms: np.ndarray,
+                    sample_uniforms: np.ndarray) -> Verdict:
+    """Speculative sampling: window [g], draft_probs [g, V] rows q_i, target_probs [g + 1, V] rows p_i,
+    accept_uniforms [g], sample_uniforms [g + 1] -> Verdict(A, c).
+
+    y^i is accepted when u_i * q_i(y^i) < p_i(y^i), i.e. with probability min(1, p/q) (a token the draft could
+    not have drawn, q = 0, is accepted whenever p > 0). At the first rejection c = inverse_cdf(residual, v_i);
+    after g acceptances the bonus c = inverse_cdf(p_(g+1), v_(g+1)). Rows after the verdict are never read.
+    """
+    g = len(window)
+    if (g and (draft_probs is None or len(draft_probs) < g)) or len(accept_uniforms) < g \
+            or len(sample_uniforms) != g + 1:
+        raise ValueError(f"a window of {g} needs {g} draft rows, {g} accept and {g + 1} sample uniforms")
+    for i in range(g):
+        x, p, q = int(window[i]), target_probs[i], draft_probs[i]
+        if float(accept_uniforms[i]) * float(q[x]) < float(p[x]):
+            continue
+        return Verdict(i, inverse_cdf(residual_distribution(p, q, x), float(sample_uniforms[i])), g)
+    return Verdict(g, inverse_cdf(target_probs[g], float(sample_uniforms[g])), g)
 
 
 def greedy_tokens(logits: np.ndarray) -> np.ndarray:

@@ -46,7 +46,7 @@ def build_tokenizer(folder: Path, corpus: list[str] = CORPUS):
 
 
 def build_model(folder: Path, model_type: str = "llama", layers: int = 4, seed: int = 0, hidden: int = 64,
-                init_range: float = 0.3, corpus: list[str] = CORPUS) -> Path:
+                init_range: float = 0.3, corpus: list[str] = CORPUS, max_positions: int = 512) -> Path:
     """Write a tiny random causal LM + tokenizer as a Hugging Face folder and return the folder."""
     import torch
     import transformers
@@ -57,7 +57,7 @@ def build_model(folder: Path, model_type: str = "llama", layers: int = 4, seed: 
     spec = CONFIGS[model_type]
     config = getattr(transformers, spec["cls"])(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=init_range,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, initializer_range=init_range,
         tie_word_embeddings=(model_type == "llama"), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, **spec["extra"])
     torch.manual_seed(seed)

@@ -1,0 +1,63 @@
+"""Weight-only quantization of exported graphs (after they validated in fp32).
+
+    fp32   as traced
+    int8   ONNX Runtime MatMulNBits: 8-bit weights in blocks of 32, symmetric, int8 activations (accuracy level 4)
+    int4   ONNX Runtime MatMulNBits: 4-bit weights in blocks of 32, symmetric, int8 activations (accuracy level 4)
+
+Not ``quantize_dynamic``: it scales activations per *tensor*, so a row's result depends on the other rows of the
+batch; a verification window (gamma + 1 rows) would then not reproduce single-row decoding and SD would stop being
+lossless (tests/test_quantize.py caught exactly that). MatMulNBits quantizes activations per block *within a row*.
+The embedding (a Gather) stays fp32. A tied LM head is a MatMul on its own constant-folded initializer in these
+TorchScript-traced graphs, so it is quantized like every other MatMul.
+Greedy losslessness is relative to the *exported target graphs*: with an int8/int4 target, every decoder emits
+exactly what target-only decoding on those quantized graphs emits, not what the fp32 model would.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from mirrorsd.errors import ExportOptionError
+
+PRECISIONS = ("fp32", "int8", "int4")
+BITS = {"int8": 8, "int4": 4}
+BLOCK = 32  # quantization block along K: ENVIRONMENT.md measured int4 block 32 as accurate and fast here
+PROTOBUF_LIMIT = 2 * 1024**3 - 64 * 1024**2
+
+
+def check_precision(value: str, flag: str) -> str:
+    if value not in PRECISIONS:
+        raise ExportOptionError(f"{flag} {value!r} is not a precision", f"choose one of {', '.join(PRECISIONS)}",
+                                f"for example {flag} int8")
+    return value
+
+
+def quantize_graph(path: Path, precision: str, source: Path | None = None) -> None:
+    """Write a quantized ``path`` (plus ``path.data`` when large) from ``source`` (default: ``path`` itself).
+
+    Old files at ``path`` are unlinked, never written through. fp32 leaves everything untouched.
+    """
+    if precision == "fp32":
+        return
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".quant-{path.stem}-") as scratch:
+        _nbits(source or path, Path(scratch) / path.name, BITS[precision])
+        for old in (path, path.with_name(path.name + ".data")):
+            old.unlink(missing_ok=True)
+        for new in Path(scratch).iterdir():
+            shutil.move(str(new), str(path.parent / new.name))
+
+
+def _nbits(src: Path, dst: Path, bits: int) -> None:
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(src), load_external_data=True)
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=True, accuracy_level=4)
+    quantizer.process()
+    result = quantizer.model.model
+    large = result.ByteSize() >= PROTOBUF_LIMIT
+    onnx.save_model(result, str(dst), save_as_external_data=large, all_tensors_to_one_file=True,
+                    location=dst.name + ".data" if large else None, size_threshold=1024)

@@ -1,0 +1,162 @@
+"""Distillation data: SpecBench prompts answered greedily by the target, split by category position, cached.
+
+    question.jsonl --first turn, chat template--> prompt ids --target greedy--> completion ids
+    split:  the first ``holdout`` questions of every category (file order) -> evaluation, the rest -> training.
+            ``mirrorsd bench`` takes its prompts from the first 2 of each category, so with holdout >= 2 the
+            benchmark never sees a training prompt. The split depends on the file only (fixed across runs).
+The answers are written as JSON lines (``distill-train.jsonl``, ``distill-eval.jsonl`` in the output folder), so a
+resumed training never regenerates them.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mirrorsd.errors import ExportOptionError
+
+
+@dataclass(frozen=True)
+class Sample:
+    question_id: str
+    prompt: list[int]
+    completion: list[int]  # the target's greedy answer (ends with EOS unless cut at max_new_tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.completion
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: str
+    text: str
+
+
+def read_questions(path: Path, holdout: int) -> tuple[list[Question], list[Question]]:
+    """(training, evaluation) questions of a SpecBench-style question.jsonl (first turn of each)."""
+    train, held = [], []
+    seen: dict[str, int] = {}
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ExportOptionError(f"Cannot read the prompt file {path}", str(exc),
+                                "pass --prompts with a SpecBench question.jsonl") from exc
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            question = Question(str(row["question_id"]), str(row["turns"][0]))
+            category = str(row.get("category", ""))
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+            raise ExportOptionError(f"Line {number} of {path} is not a SpecBench question",
+                                    f"{type(exc).__name__}: {exc}",
+                                    'each line needs {"question_id": ..., "turns": ["..."]}') from exc
+        seen[category] = seen.get(category, 0) + 1
+        (held if seen[category] <= holdout else train).append(question)
+    return train, held
+
+
+def pick(questions: list[Question], count: int | None, seed: int) -> list[Question]:
+    """A fixed pseudo-random subset (SpecBench files are grouped by category; this mixes them)."""
+    order = list(questions)
+    random.Random(seed).shuffle(order)
+    return order if count is None else order[:count]
+
+
+def encode(tokenizer, questions: list[Question], max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
+    """Chat-template each question; drop those longer than ``max_prompt_tokens``."""
+    out = []
+    for q in questions:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": q.text}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        if len(ids) <= max_prompt_tokens:
+            out.append((q.question_id, [int(t) for t in ids]))
+    return out
+
+
+def answer_all(generate, prompts: list[tuple[str, list[int]]], batch_size: int, eos_ids: tuple[int, ...],
+               progress) -> list[Sample]:
+    """Greedy answers in batches of similar prompt length (less padding); ``generate(list of ids) -> list of
+    completions`` is a Target's; each completion is cut after its first EOS. ``progress(n)`` after each batch."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
+    answers: dict[int, Sample] = {}
+    for start in range(0, len(order), batch_size):
+        batch = order[start:start + batch_size]
+        for i, completion in zip(batch, generate([prompts[i][1] for i in batch])):
+            ends = [k for k, t in enumerate(completion) if t in eos_ids]
+            answers[i] = Sample(prompts[i][0], prompts[i][1], completion[: ends[0] + 1] if ends else completion)
+        progress(len(batch))
+    return [answers[i] for i in range(len(prompts))]
+
+
+class TorchTarget:
+    """The target as a PyTorch model: transformers' batched greedy generate, left-padded."""
+
+    def __init__(self, source, max_new_tokens: int) -> None:
+        from transformers import GenerationConfig
+
+        tok, gen = source.tokenizer, source.model.generation_config
+        eos = [tok.eos_token_id, *(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])]
+        self.eos_ids = tuple(sorted({int(t) for t in eos if t is not None}))
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_ids[0]
+        self.model, self.tokenizer = source.model, tok
+        self.config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                                       eos_token_id=list(self.eos_ids), pad_token_id=self.pad_id)
+
+    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, tokens in enumerate(prompts):
+            ids[row, width - len(tokens):] = torch.tensor(tokens)
+            mask[row, width - len(tokens):] = 1
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.config,
+                                      use_model_defaults=False)  # no sampling knobs from the model's config
+        return [row[width:].tolist() for row in out]
+
+    def close(self) -> None:
+        pass
+
+
+class ExportTarget:
+    """The target of a mirrorsd export folder, run by ONNX Runtime (faster than PyTorch on a CPU; and when the
+    export is the one being benchmarked, the draft learns exactly the target it will serve, precision included)."""
+
+    def __init__(self, folder: Path, max_new_tokens: int) -> None:
+        from transformers import AutoTokenizer
+
+        from mirrorsd.runtime import Pipeline
+
+        self.pipe = Pipeline.load(folder)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(Path(folder) / self.pipe.manifest.tokenizer.directory))
+        self.eos_ids = tuple(self.pipe.manifest.tokenizer.eos_token_ids)
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
+        return self.pipe.generate_batch(prompts, self.max_new_tokens)
+
+    def close(self) -> None:
+        self.pipe.close()
+
+
+def is_export_folder(path: Path) -> bool:
+    from mirrorsd.names import MANIFEST_FILE
+
+    return (Path(path).expanduser() / MANIFEST_FILE).is_file()
+
+
+def save_samples(path: Path, samples: list[Sample]) -> None:
+    tmp = Path(path).with_suffix(".partial")
+    tmp.write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples), encoding="utf-8")
+    tmp.replace(path)
+
+
+def load_samples(path: Path) -> list[Sample]:
+    return [Sample(**json.loads(line)) for line in Path(path).read_text(encoding="utf-8").splitlines() if line]

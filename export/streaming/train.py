@@ -1,0 +1,411 @@
+"""Fine-tune a draft for Speculative Streaming, distilled from the target's greedy answers (``mirrorsd-train-draft``).
+
+    1. data    SpecBench prompts -> the target's greedy answers, cached in OUTPUT/distill-{train,eval}.jsonl
+    2. model   the draft + n stream embeddings entering its top ``stream_layers`` layers (StreamingDraft);
+               lora: adapters on those layers | top: those layers' weights | full: every weight
+    3. loss    CE(main row, next token) + 0.1 * sum_j CE(stream j, the token j + 1 ahead), on answer tokens only.
+               lora/top freeze the layers below the streams, so their output h_f is computed once per sample.
+    4. state   OUTPUT/train_state/ every --save-every steps, at the end and on Ctrl-C; --resume continues there
+    5. result  OUTPUT = merged HF draft + streams.safetensors + streaming.json (written last, marks it complete)
+               -> mirrorsd-export --model TARGET --draft OUTPUT --output EXPORT
+"""
+from __future__ import annotations
+
+import math
+import resource
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mirrorsd.errors import ExportOptionError, OutputFolderError
+from mirrorsd.export.streaming import checkpoint, data
+from mirrorsd.export.streaming.evaluate import evaluate, sample_inputs
+from mirrorsd.export.streaming.lora import add_adapters, merge_adapters
+from mirrorsd.export.streaming.model import (EMBEDDINGS_FILE, EMBEDDINGS_KEY, STREAM_LOSS_WEIGHT, STREAMING_FILE,
+                                             StreamingConfig, StreamingDraft)
+
+METHODS = ("lora", "top", "full")
+EMBEDDING_LR_SCALE = 10.0  # Adam moves a weight by ~lr per step whatever its size; the stream embeddings live at
+#                            the residual stream's scale (about 1), far above adapter weights, so they get 10x
+GRAD_CLIP = 1.0
+DISTILL_KEYS = ("target", "prompts", "train_prompts", "eval_prompts", "holdout", "max_prompt_tokens",
+                "max_new_tokens", "seed")  # the cached answers are reused only while these are unchanged
+RESUME_KEYS = DISTILL_KEYS + ("draft", "streams", "stream_layers", "method", "lora_rank", "lora_alpha", "lr",
+                              "warmup_steps", "anchors", "grad_accum")
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    draft: Path
+    target: Path
+    output: Path
+    prompts: Path | None = None  # SpecBench question.jsonl (default: the project's shared copy)
+    streams: int = 2  # the paper's n_s (ALGORITHM.md); a g-token window needs >= 1 + ceil((g-1)/(n+1)) forwards
+    stream_layers: int = 4
+    method: str = "lora"
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    train_prompts: int | None = 64  # None: every training question
+    eval_prompts: int = 8
+    holdout: int = 5  # the first N questions of every category are held out for evaluation
+    max_prompt_tokens: int = 384
+    max_new_tokens: int = 128
+    generation_batch: int = 8
+    epochs: float = 3.0
+    max_steps: int | None = None  # optimizer steps; overrides epochs
+    max_minutes: float | None = None  # stop (and save) after this much optimizer-step time (data not counted)
+    lr: float = 5e-4
+    warmup_steps: int = 10
+    anchors: int = 32  # stream anchor positions per sample and step (each carries all n streams)
+    grad_accum: int = 1
+    save_every: int = 25
+    seed: int = 0
+    threads: int | None = None
+    resume: bool = False
+    force: bool = False
+    progress: bool = True
+
+
+@dataclass
+class TrainResult:
+    folder: Path
+    config: StreamingConfig
+    steps: int
+    seconds: float
+    losses: list[float] = field(default_factory=list)  # total loss per optimizer step of this run
+    stream_losses: list[list[float]] = field(default_factory=list)  # per step: one per stream
+
+
+def train(options: TrainOptions, log=lambda line: print(line, file=sys.stderr, flush=True)) -> TrainResult:
+    """Distil, train, evaluate and write the streaming draft folder (see the module docstring)."""
+    started = time.perf_counter()
+    _check_options(options)
+    output = Path(options.output).expanduser().resolve()
+    record = _prepare_output(options, output)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(options.threads or threads)
+    try:
+        return _train(options, output, record, log, started)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(options: TrainOptions, output: Path, record: dict | None, log, started: float) -> TrainResult:
+    from mirrorsd.export.loading import load_model
+
+    train_set, eval_set = _distill_data(options, output, log)
+    log(f"data: {len(train_set)} training answers, {len(eval_set)} held out")
+    draft = load_model(options.draft)
+    _check_draft(options, draft, train_set + eval_set)
+    run = _setup(options, draft, train_set)
+    step, spent = 0, 0.0
+    before = record.get("evaluation_before") if record else None
+    if record is not None:
+        checkpoint.load_state(output, run.params, run.optimizer)
+        step, spent = record["step"], record["train_seconds"]
+        log(f"resumed at step {step}")
+    if run.trunks.frozen:  # the layers below the streams, once per sample (then every step runs the top only)
+        bar = _bar(options, len(train_set) + len(eval_set), 0, "frozen layers", "sample")
+        for sample in train_set + eval_set:
+            run.trunks.get(sample)
+            bar.update(1)
+        bar.close()
+    if before is None:
+        before = evaluate(run.module, eval_set, run.trunks.get)
+        log(f"held-out before: {_brief(before)} (RSS {_rss_mb():.0f} MB)")
+    result = TrainResult(output, None, step, 0.0)
+    save = lambda: checkpoint.save_state(output, run.params, run.optimizer,  # noqa: E731
+                                         _record(options, step, spent, before))
+    total = _total_steps(options, len(train_set))
+    bar = _bar(options, total, step)
+    try:
+        while step < total and not (options.max_minutes and spent >= 60 * options.max_minutes):
+            tick = time.perf_counter()
+            loss, parts = _optimizer_step(run, step)
+            step, spent = step + 1, spent + time.perf_counter() - tick
+            result.losses.append(loss)
+            result.stream_losses.append(parts)
+            bar.set_postfix(loss=f"{loss:.3f}", s1=f"{parts[0]:.3f}", s_step=f"{spent / step:.2f}")
+            bar.update(1)
+            if options.save_every and step % options.save_every == 0 and step < total:
+                save()
+    except KeyboardInterrupt:
+        bar.close()
+        save()
+        log(f"interrupted at step {step}: state saved in {output / checkpoint.STATE_DIR}; continue with --resume")
+        raise
+    bar.close()
+    save()
+    after = evaluate(run.module, eval_set, run.trunks.get)
+    log(f"held-out after:  {_brief(after)} (RSS {_rss_mb():.0f} MB)")
+    training = {"train_samples": len(train_set), "eval_samples": len(eval_set), "steps": step,
+                "train_seconds": round(spent, 1), "seconds_per_step": round(spent / max(step, 1), 2),
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    result.config = _finalize(options, output, draft, run.module, step, {"before": before, "after": after},
+                              training)
+    result.steps, result.seconds = step, time.perf_counter() - started
+    return result
+
+
+@dataclass
+class _Run:
+    options: TrainOptions
+    module: StreamingDraft
+    trunks: "_TrunkCache"
+    params: dict
+    optimizer: torch.optim.Optimizer
+    base_lrs: list[float]
+    train_set: list[data.Sample]
+
+
+def _setup(options: TrainOptions, draft, train_set: list[data.Sample]) -> _Run:
+    torch.manual_seed(options.seed)
+    init = torch.randn(options.streams, draft.info.hidden_size)
+    module = StreamingDraft(draft.model, draft.arch, init, options.stream_layers).eval()  # eval: no dropout
+    trunks = _TrunkCache(module, frozen=options.method != "full")
+    with torch.no_grad():  # entries as large as a typical entry of h_f (the median: a few dims are huge)
+        module.stream_embeddings.mul_(trunks.get(train_set[0]).abs().median())
+    params = _make_trainable(options, module)
+    optimizer = torch.optim.AdamW([
+        {"params": [p for n, p in params.items() if n != EMBEDDINGS_KEY], "lr": options.lr},
+        {"params": [params[EMBEDDINGS_KEY]], "lr": options.lr * EMBEDDING_LR_SCALE}], weight_decay=0.0)
+    return _Run(options, module, trunks, params, optimizer, [g["lr"] for g in optimizer.param_groups], train_set)
+
+
+def _optimizer_step(run: _Run, step: int) -> tuple[float, list[float]]:
+    """One optimizer step over ``grad_accum`` samples; returns (total loss, per-stream losses)."""
+    options = run.options
+    run.optimizer.zero_grad(set_to_none=True)
+    for group, base in zip(run.optimizer.param_groups, run.base_lrs):  # linear warm-up, then constant
+        group["lr"] = base * min(1.0, (step + 1) / max(1, options.warmup_steps))
+    total, parts = 0.0, [0.0] * options.streams
+    for micro in range(options.grad_accum):
+        index = step * options.grad_accum + micro
+        sample = run.train_set[_order(options.seed, len(run.train_set), index)]
+        loss, streams = _sample_loss(run.module, sample, run.trunks.get(sample), options.anchors,
+                                     torch.Generator().manual_seed(options.seed * 1_000_003 + index))
+        (loss / options.grad_accum).backward()
+        total += float(loss.detach()) / options.grad_accum
+        parts = [a + float(b.detach()) / options.grad_accum for a, b in zip(parts, streams)]
+    torch.nn.utils.clip_grad_norm_(list(run.params.values()), GRAD_CLIP)
+    run.optimizer.step()
+    return total, parts
+
+
+def _sample_loss(module: StreamingDraft, sample: data.Sample, h_f: torch.Tensor, anchors: int,
+                 generator: torch.Generator) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """CE(main) + 0.1 * sum_j CE(stream j) on one sample; anchors drawn among the answer positions."""
+    tokens, mask, positions = sample_inputs(sample)
+    length, p, n = tokens.shape[1], len(sample.prompt), module.streams
+    candidates = torch.arange(p - 1, length - 2)  # anchor t: stream 1's label t + 2 must exist
+    if len(candidates) > anchors:
+        candidates = candidates[torch.randperm(len(candidates), generator=generator)[:anchors]].sort().values
+    anchor_ids = candidates.repeat_interleave(n)  # [Q]
+    stream_ids = torch.arange(n).repeat(len(candidates))  # [Q]: j - 1
+    main, streams = module.top(h_f, mask, positions, anchor_ids, stream_ids)
+    main_loss = F.cross_entropy(module.head(main[0, p - 1:length - 1]), tokens[0, p:])
+    label_at = anchor_ids + 2 + stream_ids  # stream j at t predicts token t + 1 + j
+    valid = label_at < length
+    labels = torch.where(valid, tokens[0, label_at.clamp(max=length - 1)], -100)
+    ce = F.cross_entropy(module.head(streams[0]), labels, ignore_index=-100, reduction="none")  # [Q]
+    per_stream = [ce[(stream_ids == j) & valid].mean() if bool(((stream_ids == j) & valid).any())
+                  else ce.sum() * 0.0 for j in range(n)]
+    return main_loss + STREAM_LOSS_WEIGHT * sum(per_stream), per_stream
+
+
+class _TrunkCache:
+    """h_f per sample: computed once when the layers below the streams are frozen, every time otherwise."""
+
+    def __init__(self, module: StreamingDraft, frozen: bool) -> None:
+        self.module, self.frozen, self.saved = module, frozen, {}
+
+    def get(self, sample: data.Sample) -> torch.Tensor:
+        key = (sample.question_id, len(sample.prompt))
+        if key in self.saved:
+            return self.saved[key]
+        tokens, mask, positions = sample_inputs(sample)
+        if not self.frozen:
+            return self.module.trunk(tokens, mask, positions)
+        with torch.no_grad():
+            self.saved[key] = self.module.trunk(tokens, mask, positions)
+        return self.saved[key]
+
+
+def _make_trainable(options: TrainOptions, module: StreamingDraft) -> dict[str, torch.nn.Parameter]:
+    for p in module.parameters():
+        p.requires_grad_(options.method == "full")
+    streamed = module.layers[module.first_streamed:]
+    if options.method == "lora":
+        add_adapters(streamed, options.lora_rank, options.lora_alpha)
+    elif options.method == "top":
+        for p in streamed.parameters():
+            p.requires_grad_(True)
+    module.stream_embeddings.requires_grad_(True)
+    return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+
+def _order(seed: int, count: int, index: int) -> int:
+    """The sample of global micro-step ``index``: a fresh fixed permutation per epoch (resumable)."""
+    import random
+
+    epoch, offset = divmod(index, count)
+    order = list(range(count))
+    random.Random(seed * 7919 + epoch).shuffle(order)
+    return order[offset]
+
+
+def _total_steps(options: TrainOptions, samples: int) -> int:
+    if options.max_steps is not None:
+        return options.max_steps
+    return max(1, math.ceil(options.epochs * samples / options.grad_accum))
+
+
+def _distill_data(options: TrainOptions, output: Path, log) -> tuple[list[data.Sample], list[data.Sample]]:
+    import json
+
+    meta_path = output / "distill.json"
+    meta = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items() if k in DISTILL_KEYS}
+    files = output / "distill-train.jsonl", output / "distill-eval.jsonl"
+    if meta_path.is_file() and all(f.is_file() for f in files) and json.loads(meta_path.read_text()) == meta:
+        log("reusing the target's cached answers")
+        return data.load_samples(files[0]), data.load_samples(files[1])
+    prompts_path = options.prompts or _default_prompts()
+    train_q, held_q = data.read_questions(prompts_path, options.holdout)
+    log(f"loading target {options.target}")
+    target = _target(options)
+    sets = []
+    try:
+        for questions, count, name in ((train_q, options.train_prompts, "train"),
+                                       (held_q, options.eval_prompts, "eval")):
+            prompts = data.encode(target.tokenizer, data.pick(questions, None, options.seed),
+                                  options.max_prompt_tokens)[:count]  # count after dropping long prompts
+            bar = _bar(options, len(prompts), 0, f"target answers ({name})", "prompt")
+            tick = time.perf_counter()
+            samples = data.answer_all(target, prompts, options.generation_batch, target.eos_ids, bar.update)
+            bar.close()
+            tokens = sum(len(s.completion) for s in samples)
+            log(f"target answers ({name}): {len(samples)} prompts, {tokens} tokens in "
+                f"{time.perf_counter() - tick:.0f} s")
+            sets.append([s for s in samples if len(s.completion) >= 2])
+    finally:
+        target.close()
+    del target
+    data.save_samples(files[0], sets[0])
+    data.save_samples(files[1], sets[1])
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    return sets[0], sets[1]
+
+
+def _finalize(options, output: Path, draft, module: StreamingDraft, steps: int, evaluation: dict,
+              training: dict) -> StreamingConfig:
+    from safetensors.torch import save_file
+
+    if options.method == "lora":
+        merge_adapters(draft.model)
+    draft.model.save_pretrained(str(output), safe_serialization=True)
+    draft.tokenizer.save_pretrained(str(output))
+    save_file({EMBEDDINGS_KEY: module.stream_embeddings.detach().contiguous()}, str(output / EMBEDDINGS_FILE))
+    config = StreamingConfig(options.streams, options.stream_layers, draft.info.num_layers, draft.info.hidden_size,
+                             str(options.draft), str(options.target), options.method,
+                             options.lora_rank if options.method == "lora" else 0, steps, STREAM_LOSS_WEIGHT,
+                             evaluation, training)
+    config.save(output)  # last: its presence marks a complete streaming draft
+    return config
+
+
+def _record(options: TrainOptions, step: int, spent: float, before: dict) -> dict:
+    view = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items() if k in RESUME_KEYS}
+    return {"step": step, "train_seconds": spent, "options": view, "evaluation_before": before}
+
+
+def _prepare_output(options: TrainOptions, output: Path) -> dict | None:
+    """Check the output folder; returns the saved state record when resuming."""
+    if output.exists() and not output.is_dir():
+        raise OutputFolderError(f"--output {output} is a file", "training writes a folder", "pick another --output")
+    record = checkpoint.read_record(output) if output.is_dir() else None
+    if options.resume:
+        if record is None:
+            raise OutputFolderError(f"Nothing to resume in {output}", f"it has no {checkpoint.STATE_DIR}/",
+                                    "drop --resume to start a new training")
+        mine = _record(options, 0, 0.0, {})["options"]
+        changed = sorted(k for k in RESUME_KEYS if record["options"].get(k) != mine.get(k))
+        if changed:
+            raise ExportOptionError(f"--resume with other options than the saved run: {', '.join(changed)}",
+                                    "the saved state belongs to those settings",
+                                    "repeat the first run's options (epochs, max-steps and max-minutes may change)")
+    elif output.is_dir() and any(output.iterdir()):
+        if not options.force:
+            raise OutputFolderError(f"--output {output} is not empty", "a new training would overwrite it",
+                                    "pass --resume to continue it, --force to start over, or pick another folder")
+        for entry in output.iterdir():  # keep the target's cached answers: they are reused when they still fit
+            if not entry.name.startswith("distill"):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        record = None
+    (output / STREAMING_FILE).unlink(missing_ok=True)  # the folder is incomplete until _finalize
+    output.mkdir(parents=True, exist_ok=True)
+    return record if options.resume else None
+
+
+def _check_options(options: TrainOptions) -> None:
+    checks = [(options.method in METHODS, "--method", f"one of {', '.join(METHODS)}"),
+              (options.streams >= 1, "--streams", ">= 1"), (options.stream_layers >= 1, "--stream-layers", ">= 1"),
+              (options.lora_rank >= 1, "--lora-rank", ">= 1"), (options.anchors >= 1, "--anchors", ">= 1"),
+              (options.grad_accum >= 1, "--grad-accum", ">= 1"),
+              (options.max_new_tokens >= 2, "--max-new-tokens", ">= 2"),
+              (options.holdout >= 1, "--holdout", ">= 1"), (options.eval_prompts >= 1, "--eval-prompts", ">= 1"),
+              (options.lr > 0, "--lr", "> 0"), (options.epochs > 0, "--epochs", "> 0")]
+    for ok, flag, rule in checks:
+        if not ok:
+            raise ExportOptionError(f"{flag} is out of range", f"it must be {rule}", f"fix {flag}")
+
+
+def _check_draft(options: TrainOptions, draft, samples: list[data.Sample]) -> None:
+    if options.stream_layers > draft.info.num_layers:
+        raise ExportOptionError(f"--stream-layers {options.stream_layers} is out of range",
+                                f"the draft has {draft.info.num_layers} layers", "pick fewer stream layers")
+    top = max((max(s.tokens) for s in samples), default=0)
+    if top >= draft.info.vocab_size or not samples:
+        raise ExportOptionError("The draft cannot read the target's answers",
+                                f"token id {top} vs draft vocabulary {draft.info.vocab_size}" if samples
+                                else "no answer has two tokens or more",
+                                "use a draft with the target's tokenizer, and prompts the target answers")
+
+
+def _target(options: TrainOptions):
+    """An export folder's target (ONNX Runtime), or a Hugging Face model / .gguf / pinned name (PyTorch)."""
+    if data.is_export_folder(options.target):
+        return data.ExportTarget(Path(options.target).expanduser(), options.max_new_tokens)
+    from mirrorsd.export.loading import load_model
+
+    return data.TorchTarget(load_model(options.target), options.max_new_tokens)
+
+
+def _default_prompts() -> Path:
+    from mirrorsd.bench import default_questions
+
+    return default_questions()
+
+
+def _brief(metrics: dict) -> str:
+    streams = ", ".join(f"{a:.2f}" for a in metrics["stream_agrees_with_main"])
+    return (f"main top-1 {metrics['main_top1']:.3f}, stream loss {metrics['stream_loss']:.3f}, "
+            f"stream/main agreement [{streams}], tokens per forward {metrics['tokens_per_forward']:.2f}")
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        return float("nan")
+
+
+def _bar(options: TrainOptions, total: int, done: int, desc: str = "training", unit: str = "step"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, desc=desc, unit=unit, disable=not options.progress, dynamic_ncols=True)

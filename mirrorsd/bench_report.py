@@ -1,0 +1,106 @@
+"""Bench outputs: a markdown table, SpecBench-style answer JSON, and a PNG chart."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from mirrorsd.bench import BenchResult
+
+COLUMNS = ("mode", "tok/s", "speedup", "mean accepted", "acceptance", "reuse", "overlap", "draft fwd/window",
+           "parity")
+
+
+def summarize_modes(result: BenchResult) -> list[dict]:
+    by_mode: dict[str, list] = {}
+    for run in result.runs:
+        by_mode.setdefault(run.mode, []).append(run)
+    base = statistics.mean(r.stats["tokens_per_second"] for r in by_mode["ar"]) if "ar" in by_mode else None
+    rows = []
+    for mode, runs in by_mode.items():
+        tps = statistics.mean(r.stats["tokens_per_second"] for r in runs)
+        mean = lambda key: statistics.mean(r.stats[key] for r in runs)  # noqa: E731
+        parity = [r.parity for r in runs]
+        rows.append({
+            "mode": mode, "tok/s": tps, "speedup": tps / base if base else float("nan"),
+            "mean accepted": mean("mean_accepted_tokens"), "acceptance": mean("acceptance_rate"),
+            "reuse": mean("reuse_rate"), "overlap": mean("overlap_ratio"),
+            "draft fwd/window": mean("draft_forwards_per_window"),
+            "parity": "reference" if mode == "ar" else
+            f"{parity.count('identical')}/{len(parity)} identical, {parity.count('near-tie')} near-tie, "
+            f"{parity.count('DIFFERENT')} different",
+        })
+    return rows
+
+
+def markdown(result: BenchResult, command: str) -> str:
+    rows = summarize_modes(result)
+    lines = [f"# mirrorsd bench — {result.options.model}", "", f"Command: `{command}`", "",
+             f"Machine: {result.machine}; peak RSS {result.peak_rss_mb:.0f} MiB", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        cells = [row["mode"]] + [f"{row[c]:.2f}" for c in COLUMNS[1:-1]] + [row["parity"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Per category (tok/s by mode):", "", "| category | " + " | ".join(r["mode"] for r in rows) + " |",
+              "|---|" + "---|" * len(rows)]
+    categories = list(dict.fromkeys(r.category for r in result.runs))
+    for category in categories:
+        cells = []
+        for row in rows:
+            vals = [r.stats["tokens_per_second"] for r in result.runs if r.category == category and r.mode == row["mode"]]
+            cells.append(f"{statistics.mean(vals):.2f}" if vals else "-")
+        lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    if result.skipped:
+        lines += ["", f"Skipped (prompt + max_new_tokens over the context): questions {result.skipped}"]
+    flagged = [r for r in result.runs if r.parity == "DIFFERENT"]
+    lines += ["", f"Token parity with ar: {len(flagged)} run(s) differ beyond a near-tie."]
+    lines += [f"- question {r.question_id} ({r.category}) mode {r.mode}" for r in flagged]
+    return "\n".join(lines) + "\n"
+
+
+def spec_bench_answers(result: BenchResult) -> list[dict]:
+    answers = []
+    for run in result.runs:
+        answers.append({
+            "question_id": run.question_id, "category": run.category, "model_id": f"mirrorsd-{run.mode}",
+            "choices": [{"index": 0, "turns": [run.tokens], "new_tokens": [run.stats["new_tokens"]],
+                         "wall_time": [run.stats["seconds"]],
+                         "mean_accepted_tokens": run.stats["mean_accepted_tokens"]}],
+            "parity": run.parity, "tstamp": time.time()})
+    return answers
+
+
+def chart(result: BenchResult, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = summarize_modes(result)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([r["mode"] for r in rows], [r["speedup"] for r in rows], color="#4477aa")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    for i, r in enumerate(rows):
+        ax.text(i, r["speedup"], f"{r['speedup']:.2f}x\n{r['tok/s']:.1f} tok/s", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("speedup over ar (same run)")
+    ax.set_title(Path(str(result.options.model)).name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(result: BenchResult, command: str) -> dict[str, Path]:
+    out = Path(result.options.output)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": out / "report.md", "answers": out / "answers.jsonl", "runs": out / "runs.json"}
+    paths["markdown"].write_text(markdown(result, command), encoding="utf-8")
+    paths["answers"].write_text("\n".join(json.dumps(a) for a in spec_bench_answers(result)) + "\n")
+    paths["runs"].write_text(json.dumps([r.__dict__ for r in result.runs], indent=1))
+    png = chart(result, out / "speedup.png")
+    if png:
+        paths["chart"] = png
+    return paths

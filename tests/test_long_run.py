@@ -1,0 +1,182 @@
+"""Long generations: 10,000 tokens in ar and mirror with flat memory after warm-up, and per-token costs on the
+Python side that do not grow with the length (streaming text included).
+
+The 10k-token runs use a tiny 2-layer model with 10,240 positions whose manifest lists no EOS id, so nothing stops
+them early; its draft is the model itself, so that mirror commits five tokens a step and the run takes minutes,
+not a quarter of an hour, on two cores. Memory is the process RSS (psutil) at 1k, 5k and 10k tokens; a warm-up run first lets ONNX Runtime's arena
+and the allocator reach the sizes a 10k context needs, then a second run must stay within what its KV caches
+legitimately add. The numbers are printed (pytest -s) for the record.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from mirrorsd.runtime.text import StreamDecoder
+
+from tiny_models import build_model
+
+MARKS = (1_000, 5_000, 10_000)
+NEW = 10_000
+PROMPT = [1, 17, 42, 99, 7]
+MiB = 2**20
+
+
+# ---- streaming text --------------------------------------------------------------------------------------------
+class Codec:
+    """The one method StreamDecoder uses, over any ``tokenizers`` Tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def sentencepiece_like():
+    """Llama-style decoding: '▁' is a space, <0xNN> tokens are bytes, and the first leading space is dropped."""
+    from tokenizers import Tokenizer, decoders, models
+
+    pieces = ["<unk>", "<s>", "▁Hello", "▁world", "ing", "▁", "!", "\n", "▁caf", "é"]
+    pieces += [f"<0x{b:02X}>" for b in (0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x98, 0x80, 0xFF)]
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tok.add_special_tokens(["<s>"])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok, len(pieces)
+
+
+@pytest.fixture(scope="module")
+def codecs(tiny_model):
+    from tokenizers import Tokenizer
+
+    byte_level = Tokenizer.from_file(str(tiny_model("llama") / "tokenizer.json"))
+    sp, sp_vocab = sentencepiece_like()
+    return {"byte-level": (Codec(byte_level), byte_level.get_vocab_size()), "sentencepiece": (Codec(sp), sp_vocab)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["byte-level", "sentencepiece"]), st.lists(st.integers(0, 10_000), max_size=60),
+       st.lists(st.integers(1, 4), min_size=1, max_size=60))
+def test_stream_pieces_add_up_to_the_text(codecs, which, raw_ids, chunks):
+    """However ids arrive, the pieces join to the full decode (up to a trailing incomplete character)."""
+    codec, vocab = codecs[which]
+    ids = [i % vocab for i in raw_ids]
+    stream, pieces, at = StreamDecoder(codec), [], 0
+    for size in chunks * (len(ids) // len(chunks) + 1):
+        if at >= len(ids):
+            break
+        pieces.append(stream.push(ids[at:at + size]))
+        at += size
+    full, joined = codec.decode(ids), "".join(pieces)
+    assert "\ufffd" not in joined[-1:]
+    if full.endswith("\ufffd"):
+        assert full.startswith(joined)
+    else:
+        assert joined == full
+
+
+def test_stream_cost_per_token_does_not_grow(codecs):
+    """Pushing the 10,000th token costs about what pushing the 1,000th did (no decode of everything each time)."""
+    codec, vocab = codecs["byte-level"]
+    ids = np.random.default_rng(0).integers(3, vocab, NEW).tolist()
+    stream, block_seconds = StreamDecoder(codec), []
+    for start in range(0, NEW, 1000):
+        began = time.perf_counter()
+        for token in ids[start:start + 1000]:
+            stream.push([token])
+        block_seconds.append(time.perf_counter() - began)
+    print(f"\nstream push, ms per token by 1k block: {[round(s, 3) for s in block_seconds]}")
+    assert min(block_seconds[-3:]) < 3 * max(block_seconds[:3]) + 0.05
+
+
+# ---- 10,000 tokens ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def long_folder(tmp_path_factory):
+    """A tiny 2-layer model with 10,240 positions, exported with itself as the draft; its manifest lists no EOS."""
+    from mirrorsd.export.pipeline import ExportOptions, export
+
+    root = tmp_path_factory.mktemp("long")
+    model = build_model(root / "hf", "llama", layers=2, max_positions=10_240)
+    out = root / "export"
+    export(ExportOptions(model=model, output=out, draft_layers=2))  # all of its layers
+    manifest = out / "mirrorsd.json"
+    data = json.loads(manifest.read_text())
+    data["tokenizer"]["eos_token_ids"] = []  # the random model may well emit EOS: it must not stop the run
+    manifest.write_text(json.dumps(data))
+    return out
+
+
+def kv_bytes_per_token(manifest, model: str) -> int:
+    info = manifest.target if model == "target" else manifest.draft
+    return info.num_layers * 2 * info.num_kv_heads * info.head_dim * 4  # keys + values, float32
+
+
+def run(pipe, mode: str):  # mirror with one batch of two branches a step: the cheapest concurrent setting
+    """One 10k-token generation: tokens, RSS at each mark, and (tokens, wall, target busy) samples per step."""
+    import psutil
+
+    from mirrorsd.runtime import GenerationConfig
+
+    process, rss, samples = psutil.Process(), {}, []
+    busy = [0, 0.0]  # intervals summed so far, their total: summing all of them per step would be quadratic
+
+    def on_text(piece: str) -> None:
+        n = pipe.target.length + 1 - len(PROMPT)  # tokens generated so far (give or take a window)
+        intervals = pipe.target_timeline.intervals
+        busy[1] += sum(end - start for start, end in intervals[busy[0]:])
+        busy[0] = len(intervals)
+        samples.append((n, time.perf_counter(), busy[1]))
+        for mark in MARKS:
+            if n >= mark and mark not in rss:
+                rss[mark] = process.memory_info().rss
+
+    out = pipe.generate(PROMPT, GenerationConfig(mode=mode, max_new_tokens=NEW, branches=2), on_text=on_text)
+    rss.setdefault(NEW, process.memory_info().rss)
+    return out, rss, np.array(samples)
+
+
+def python_ms_per_token(samples: np.ndarray, lo: int, hi: int) -> float:
+    """Wall time not spent inside the target's graphs, per token, between ``lo`` and ``hi`` tokens (ar only)."""
+    rows = samples[(samples[:, 0] >= lo) & (samples[:, 0] <= hi)]
+    (n0, t0, b0), (n1, t1, b1) = rows[0], rows[-1]
+    return ((t1 - t0) - (b1 - b0)) / (n1 - n0) * 1e3
+
+
+@pytest.mark.slow  # four 10k-token generations: a few minutes on two cores
+def test_ten_thousand_tokens_in_flat_memory(long_folder):
+    from mirrorsd.runtime import Pipeline
+
+    report = []
+    with Pipeline.load(long_folder) as pipe:
+        per_token = {m: kv_bytes_per_token(pipe.manifest, m) for m in ("target", "draft")}
+        reference = None
+        for mode in ("ar", "mirror"):
+            warm, warm_rss, _ = run(pipe, mode)  # warm-up: the arena grows to what a 10k context needs
+            out, rss, samples = run(pipe, mode)
+            for result in (warm, out):
+                assert len(result.tokens) == NEW and not result.stats.draft_failures
+            reference = reference or warm.tokens
+            assert warm.tokens == out.tokens == reference  # mirror equals ar over all 10k tokens
+            # What the second run may legitimately add between 1k and 10k tokens: the target's KV slots; in
+            # mirror the draft's main cache, its doubling, and the branch copies alive at once (2 rows + main).
+            kv = per_token["target"] * (MARKS[-1] - MARKS[0])
+            if mode == "mirror":
+                kv += 4 * per_token["draft"] * MARKS[-1]
+            allowed = kv + 12 * MiB  # Python objects of the run's statistics, allocator slack
+            growth = rss[MARKS[-1]] - rss[MARKS[0]]
+            report.append(f"{mode:6s} warm-up RSS {[round(warm_rss[m] / MiB, 1) for m in MARKS]} MiB, "
+                          f"measured {[round(rss[m] / MiB, 1) for m in MARKS]} MiB: +{growth / MiB:.1f} MiB "
+                          f"from 1k to 10k (allowed {allowed / MiB:.1f}), {out.stats.seconds:.0f} s, "
+                          f"{out.stats.mean_accepted_tokens:.2f} tokens/step")
+            assert growth <= allowed, report[-1]
+            if mode == "ar":
+                early, late = python_ms_per_token(samples, 1_000, 2_000), python_ms_per_token(samples, 9_000, NEW)
+                report.append(f"       python-side ms/token: {early:.3f} at 1k-2k, {late:.3f} at 9k-10k")
+                assert late < 3 * early + 1.0, report[-1]
+    print("\n" + "\n".join(report))
