@@ -1,6 +1,7 @@
 """Trace one graph wrapper to ONNX with dynamic axes; move weights to external data when the file would pass 2 GB."""
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import warnings
@@ -49,4 +50,7 @@ def write_onnx(module: torch.nn.Module, io: GraphIO, path: Path) -> Path:
         model = onnx.load(str(traced), load_external_data=True)  # the tracer wrote one file per weight
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=path.name + ".data", size_threshold=1024)
+    data = path.with_name(path.name + ".data")
+    if data.exists():  # onnx creates it private (0600): make it as readable as the graph
+        os.chmod(data, path.stat().st_mode & 0o777)
     return path

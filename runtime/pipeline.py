@@ -202,15 +202,12 @@ class Pipeline:
         self.target_timeline.clear()
         self.draft_timeline.clear()
         outcome = decode(self.target, proposer, ids, settings, emit)
+        if isinstance(proposer, MirrorProposer):
+            outcome.counters.branches_rolled_out = proposer.counters.branches
         placement = {role: p.describe() for role, p in self.placements.items()}
         stats = summarize(config.mode, outcome.counters, len(ids), len(outcome.tokens), outcome.seconds,
                           outcome.time_to_first_token_s, list(self.target_timeline.intervals),
                           list(self.draft_timeline.intervals), placement)
-        if isinstance(proposer, MirrorProposer):
-            outcome.counters.branches_rolled_out = proposer.counters.branches
-            stats = summarize(config.mode, outcome.counters, len(ids), len(outcome.tokens), outcome.seconds,
-                              outcome.time_to_first_token_s, list(self.target_timeline.intervals),
-                              list(self.draft_timeline.intervals), placement)
         return GenerationResult(outcome.tokens, self.codec.decode(outcome.tokens), ids, stats, outcome.margins,
                                 sampling)
 

@@ -106,8 +106,8 @@ class SerialDraft(TargetOnly):
 
     mode = "sd"
 
-    def __init__(self, draft: DraftModel) -> None:
-        self.draft = draft
+    def __init__(self, draft: DraftModel, rollout=draft_rollout) -> None:
+        self.draft, self.rollout = draft, rollout  # rollout: draft_rollout, or streaming_rollout (streaming.py)
         self.committed: list[int] = []
         self.sampler = GREEDY
 
@@ -118,7 +118,7 @@ class SerialDraft(TargetOnly):
 
     def propose(self, committed: list[int], gamma: int) -> Proposal:
         try:
-            rollout = draft_rollout(self.draft, committed, gamma, sampler=self.sampler)
+            rollout = self.rollout(self.draft, committed, gamma, sampler=self.sampler)
         except Exception as exc:  # as in mirror: a draft failure is a DraftWorkerError, which on_draft_failure handles
             raise DraftWorkerError("The draft model failed", f"{type(exc).__name__}: {exc}",
                                    "see the chained exception; the target itself is unaffected") from exc

@@ -18,7 +18,7 @@ import numpy as np
 
 from mirrorsd import names
 from mirrorsd.runtime.models import DraftModel, single_row_inputs
-from mirrorsd.runtime.proposers import Proposal, Rollout, SerialDraft
+from mirrorsd.runtime.proposers import Rollout, SerialDraft
 from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.session import GraphSession
 from mirrorsd.runtime.verify import greedy_tokens, top_k_logprobs
@@ -93,11 +93,7 @@ class StreamingSerialDraft(SerialDraft):
     """Vanilla speculative decoding (``sd``) with a streaming draft: the same windows, fewer draft forwards."""
 
     def __init__(self, draft: StreamingDraftModel) -> None:
-        super().__init__(draft)
-
-    def propose(self, committed: list[int], gamma: int) -> Proposal:
-        rollout = streaming_rollout(self.draft, committed, gamma, sampler=self.sampler)
-        return Proposal(rollout.tokens, False, rollout.forwards, rollout.probs)
+        super().__init__(draft, streaming_rollout)  # SerialDraft.propose: a failure becomes a DraftWorkerError
 
 
 def streaming_draft(sessions: dict[str, GraphSession]) -> StreamingDraftModel | None:

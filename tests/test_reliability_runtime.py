@@ -90,6 +90,7 @@ def test_max_new_tokens_beyond_the_context_stops_at_the_context(shared):
     dict(do_sample=True, temperature=-0.5), dict(do_sample=True, temperature=float("nan")),
     dict(do_sample=True, top_p=0.0), dict(do_sample=True, top_p=1.01), dict(do_sample=True, top_p=-1.0),
     dict(do_sample=True, top_k=-1), dict(repetition_penalty=0.0), dict(seed=-1), dict(verify="lenient"),
+    dict(temperature="hot"), dict(top_k=1.5), dict(top_k="x"), dict(seed="x"), dict(max_new_tokens=True),
 ], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_bad_generation_config(shared, bad):
     with pytest.raises(GenerationInputError) as info:
@@ -176,6 +177,18 @@ def test_draft_raising_at_any_call(pipe, ar_tokens, mode, ok_calls):
     out = pipe.generate(PROMPT, GenerationConfig(mode=mode, max_new_tokens=NEW, on_draft_failure="fallback"))
     assert out.tokens == ar_tokens and out.stats.draft_failures == 1
     assert faulty.max_active == 1
+
+
+def test_streaming_draft_failure_is_a_draft_error():
+    """sd with a streaming draft (an export from mirrorsd-train-draft) reports draft faults the same way."""
+    from mirrorsd.runtime.streaming import StreamingSerialDraft
+
+    class Broken:
+        def __getattr__(self, name):
+            raise RuntimeError("injected streaming draft failure")
+
+    with pytest.raises(DraftWorkerError, match="injected streaming draft failure"):
+        StreamingSerialDraft(Broken()).propose([1, 2, 3], 4)
 
 
 def hang_on(n: int, release: threading.Event, seconds: float = 30.0):
