@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--branches", type=int, default=4, help="mirror: branches rolled out per step at most")
     gen.add_argument("--branch-batch", type=int, default=2, help="mirror: branches per batched draft call")
     gen.add_argument("--runner-up-k", type=int, default=4, help="mirror: draft candidates kept per position")
+    gen.add_argument("--no-exit-head", action="store_true",
+                     help="mirror: skip the early-exit head (saves one LM-head pass per step; candidates then come "
+                          "from the draft alone — measured faster on the Qwen pair, see docs/performance.md)")
     gen.add_argument("--target-device", default="auto", help="device for the target graphs (see: mirrorsd devices)")
     gen.add_argument("--draft-device", default="auto", help="device for the draft graph")
     gen.add_argument("--static-draft", action="store_true",
@@ -98,8 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"note: {message}", file=sys.stderr)  # e.g. where "auto" placed a model, one line, no source dump
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import warnings
+
+    warnings.showwarning = _show_warning
     try:
         return COMMANDS[args.command](args)
     except MirrorSDError as exc:
@@ -117,6 +127,7 @@ def _generate(args) -> int:
     devices = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft)
     config = GenerationConfig(mode=args.mode, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
                               branches=args.branches, branch_batch=args.branch_batch, runner_up_k=args.runner_up_k,
+                              exit_head=not args.no_exit_head,
                               chat=not args.raw, system=args.system, streaming=not args.no_streaming,
                               do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,

@@ -58,4 +58,6 @@ def test_speculative_modes_equal_ar_on_smollm2(smollm2, pipelines):
             out = pipe.generate(prompt, GenerationConfig(mode=mode, max_new_tokens=NEW))
             parity = check_tokens(ar.tokens, out.tokens, ar.margins)
             assert parity.identical, f"{mode}: near-tie at {parity.tie_at}"
-            assert out.stats.acceptance_rate > 0.2  # 24 of 30 layers agree often (ENVIRONMENT.md: ~34 %)
+            # 24 of 30 layers agree with the full model on ~34 % of tokens (ENVIRONMENT.md); per drafted token of a
+            # 4-token window that is 0.15-0.35 here, while an unrelated draft accepts ~0
+            assert out.stats.acceptance_rate > 0.08
