@@ -146,10 +146,10 @@ def _quantize(scratch: Path, options: ExportOptions, target, draft, exit_layer: 
     if options.draft_precision != "fp32":
         progress(f"quantizing the draft to {options.draft_precision}")
         before, mask = validate.draft_logits(scratch, draft.info)
-        quantize_graph(scratch / names.graph_file(names.DRAFT), options.draft_precision)
+        quantize_graph(scratch / names.graph_file(names.DRAFT), options.draft_precision, model="draft")
         streaming_file = scratch / names.graph_file(names.DRAFT_STREAMING)
         if streaming_file.is_file():  # it shares draft.onnx's KV cache: same weights, same precision
-            quantize_graph(streaming_file, options.draft_precision)
+            quantize_graph(streaming_file, options.draft_precision, model="draft")
         after, _ = validate.draft_logits(scratch, draft.info)
         effects.update({f"draft_{k}": v for k, v in validate.quantization_effect(before, after, mask).items()})
     return effects

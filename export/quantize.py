@@ -1,8 +1,12 @@
 """Weight-only quantization of exported graphs (after they validated in fp32).
 
     fp32   as traced
-    int8   ONNX Runtime MatMulNBits: 8-bit weights in blocks of 32, symmetric, int8 activations (accuracy level 4)
-    int4   ONNX Runtime MatMulNBits: 4-bit weights in blocks of 32, symmetric, int8 activations (accuracy level 4)
+    int8   ONNX Runtime MatMulNBits: 8-bit weights in blocks of 32, symmetric
+    int4   ONNX Runtime MatMulNBits: 4-bit weights in blocks of 32, symmetric
+Activations: the *target* computes in fp32 (accuracy level 1), the draft in int8 (accuracy level 4, faster).
+Measured on the Qwen pair: with int8 activations the target's one-row kernel and its window kernel disagree beyond
+float noise, and sd/mirror differed from ar on 2 of 12 prompts (docs/performance.md). A draft's numerics never
+change the output, so it keeps the fast int8 path.
 
 Not ``quantize_dynamic``: it scales activations per *tensor*, so a row's result depends on the other rows of the
 batch; a verification window (gamma + 1 rows) would then not reproduce single-row decoding and SD would stop being
@@ -34,7 +38,10 @@ def check_precision(value: str, flag: str) -> str:
     return value
 
 
-def quantize_graph(path: Path, precision: str, source: Path | None = None) -> None:
+ACCURACY_LEVEL = {"target": 1, "draft": 4}  # MatMulNBits: 1 = fp32 activations, 4 = int8 activations
+
+
+def quantize_graph(path: Path, precision: str, source: Path | None = None, model: str = "target") -> None:
     """Write a quantized ``path`` (plus ``path.data`` when large) from ``source`` (default: ``path`` itself).
 
     Old files at ``path`` are unlinked, never written through. fp32 leaves everything untouched.
@@ -43,19 +50,20 @@ def quantize_graph(path: Path, precision: str, source: Path | None = None) -> No
         return
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".quant-{path.stem}-") as scratch:
-        _nbits(source or path, Path(scratch) / path.name, BITS[precision])
+        _nbits(source or path, Path(scratch) / path.name, BITS[precision], ACCURACY_LEVEL[model])
         for old in (path, path.with_name(path.name + ".data")):
             old.unlink(missing_ok=True)
         for new in Path(scratch).iterdir():
             shutil.move(str(new), str(path.parent / new.name))
 
 
-def _nbits(src: Path, dst: Path, bits: int) -> None:
+def _nbits(src: Path, dst: Path, bits: int, accuracy_level: int) -> None:
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     model = onnx.load(str(src), load_external_data=True)
-    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=True, accuracy_level=4)
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=True,
+                                    accuracy_level=accuracy_level)
     quantizer.process()
     result = quantizer.model.model
     large = result.ByteSize() >= PROTOBUF_LIMIT
