@@ -64,6 +64,9 @@ VARIANTS = {  # bench mode name -> GenerationConfig fields
     "mirror": {"mode": "mirror"},
     "mirror-noexit": {"mode": "mirror", "exit_head": False},  # draft runner-ups only: no exit-head pass
     "mirror-cap": {"mode": "mirror", "branch_budget": "cap"},  # every step rolls out all branches
+    # an export with a streaming draft streams by default; these run its plain draft graph instead
+    "sd-nostream": {"mode": "sd", "streaming": False},
+    "mirror-nostream": {"mode": "mirror", "streaming": False},
 }
 
 
