@@ -37,6 +37,8 @@ class BenchOptions:
     output: Path = Path("bench_out")
     warmup: bool = True
     baseline_threads: int | None = None  # also run ar alone with this many threads per session ("ar-Nt")
+    peer_target: Path | None = None  # HF folders for the peer modes (default: the export's sources)
+    peer_draft: Path | None = None
 
 
 @dataclass
@@ -71,8 +73,13 @@ VARIANTS = {  # bench mode name -> GenerationConfig fields
 
 
 def variant(mode: str) -> dict:
+    from mirrorsd.peers import PEER_MODES
+
+    if mode in PEER_MODES:
+        return {}
     if mode not in VARIANTS:
-        raise GenerationInputError(f"Unknown bench mode '{mode}'", f"modes are {', '.join(VARIANTS)}", "pick from those")
+        raise GenerationInputError(f"Unknown bench mode '{mode}'", f"modes are {', '.join([*VARIANTS, *PEER_MODES])}",
+                                   "pick from those")
     return VARIANTS[mode]
 
 
@@ -104,50 +111,108 @@ def load_questions(path: Path, categories: tuple[str, ...], per_category: int) -
 
 
 def run_bench(options: BenchOptions, progress=True) -> BenchResult:
+    """Our modes first (one pipeline, rotating order per prompt), then each peer family in its own pass on the same
+    prompt token ids (one family loaded at a time: a second fp32 target beside ours would not fit 24 GiB)."""
     import resource
 
+    from mirrorsd.peers import is_peer_mode
+
+    for mode in options.modes:
+        variant(mode)  # unknown modes fail before anything loads
+    questions = load_questions(options.questions or default_questions(), options.categories, options.per_category)
+    result = BenchResult(options, machine=_machine())
+    baseline = _baseline_pass(options, questions, progress) if options.baseline_threads else {}
+    ours = [m for m in options.modes if not is_peer_mode(m)]
+    peers = [m for m in options.modes if is_peer_mode(m)]
+    outs, prompt_ids, manifest = _own_pass(options, ours, questions, result, progress)
+    if peers:
+        _peer_passes(options, peers, questions, prompt_ids, manifest, outs, progress)
+    for question in questions:
+        qid = question["question_id"]
+        if qid not in prompt_ids:
+            continue
+        runs = {**outs.get(qid, {}), **baseline.get(qid, {})}
+        reference = runs.get("ar")
+        for mode, out in runs.items():
+            run = PromptRun(qid, question["category"], mode, out.tokens, _stats_dict(out))
+            if reference is not None and mode != "ar":
+                run.parity = classify_parity(reference.tokens, out.tokens, reference.margins)
+            result.runs.append(run)
+    result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return result
+
+
+def _stats_dict(out) -> dict:
+    return out.stats if isinstance(out.stats, dict) else out.stats.to_dict()
+
+
+def _own_pass(options: BenchOptions, modes: list[str], questions: list[dict], result: BenchResult, progress: bool):
+    """mirrorsd's own modes; returns (outputs by question and mode, prompt ids by question, manifest)."""
     from tqdm import tqdm
 
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import GenerationConfig, Pipeline
 
-    questions = load_questions(options.questions or default_questions(), options.categories, options.per_category)
     devices = DeviceRequest(target_threads=options.target_threads, draft_threads=options.draft_threads)
-    result = BenchResult(options, machine=_machine())
-    baseline = {}
-    if options.baseline_threads:
-        baseline = _baseline_pass(options, questions, progress)
+    outs: dict = {}
+    prompt_ids: dict = {}
     with Pipeline.load(options.model, devices) as pipe:
         configs = {mode: GenerationConfig(max_new_tokens=options.max_new_tokens, gamma=options.gamma,
                                           branches=options.branches, branch_batch=options.branch_batch,
-                                          record_margins=(mode == "ar"), **variant(mode)) for mode in options.modes}
+                                          record_margins=(mode == "ar"), **variant(mode)) for mode in modes}
+        encode_config = GenerationConfig(max_new_tokens=options.max_new_tokens)
         if options.warmup:
             for config in configs.values():
                 pipe.generate("Say hello.", GenerationConfig(**{**config.__dict__, "max_new_tokens": 8}))
-        bar = tqdm(total=len(questions) * len(configs), disable=not progress, desc="bench", unit="gen")
+        bar = tqdm(total=len(questions) * len(configs), disable=not progress or not configs, desc="bench", unit="gen")
         for i, question in enumerate(questions):
-            prompt = question["turns"][0]
-            if len(pipe.encode(prompt, configs[options.modes[0]])) + options.max_new_tokens > pipe.context_limit:
+            ids = pipe.encode(question["turns"][0], encode_config)
+            if len(ids) + options.max_new_tokens > pipe.context_limit:
                 result.skipped.append(question["question_id"])  # does not fit the exported context
                 bar.update(len(configs))
                 continue
-            order = list(configs)[i % len(configs):] + list(configs)[: i % len(configs)]
-            outs = {}
+            prompt_ids[question["question_id"]] = ids
+            order = list(configs)[i % max(len(configs), 1):] + list(configs)[: i % max(len(configs), 1)]
             for mode in order:
-                outs[mode] = pipe.generate(prompt, configs[mode])
+                outs.setdefault(question["question_id"], {})[mode] = pipe.generate(ids, configs[mode])
                 bar.update(1)
-            outs.update(baseline.get(question["question_id"], {}))
-            reference = outs.get("ar")
-            for mode in outs:
-                out = outs[mode]
-                run = PromptRun(question["question_id"], question["category"], mode, out.tokens,
-                                out.stats.to_dict())
-                if reference is not None and mode != "ar":
-                    run.parity = classify_parity(reference.tokens, out.tokens, reference.margins)
-                result.runs.append(run)
         bar.close()
-    result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    return result
+        manifest = pipe.manifest
+    return outs, prompt_ids, manifest
+
+
+def _peer_passes(options: BenchOptions, modes: list[str], questions: list[dict], prompt_ids: dict, manifest,
+                 outs: dict, progress: bool) -> None:
+    """Each peer family loaded once, warmed up, run on every prompt (its modes in rotating order), then closed."""
+    from tqdm import tqdm
+
+    from mirrorsd.peers import PeerModels, families, hf_folder, open_peer
+
+    precisions = manifest.export_options
+    models = PeerModels(
+        target=hf_folder(options.peer_target or manifest.target.source, "target"),
+        draft=hf_folder(options.peer_draft or manifest.draft.source, "draft"),
+        target_precision=str(precisions.get("target_precision") or "fp32"),
+        draft_precision=str(precisions.get("draft_precision") or "fp32"))
+    eos = tuple(manifest.tokenizer.eos_token_ids)
+    for family, family_modes in families(modes).items():
+        peer = open_peer(family, family_modes, models, eos, progress)
+        try:
+            if options.warmup:
+                warm = next(iter(prompt_ids.values()), [1])
+                for mode in family_modes:
+                    peer.generate(mode, warm, 8, options.gamma)
+            bar = tqdm(total=len(prompt_ids) * len(family_modes), disable=not progress, desc=family, unit="gen")
+            for i, question in enumerate(q for q in questions if q["question_id"] in prompt_ids):
+                ids = prompt_ids[question["question_id"]]
+                order = family_modes[i % len(family_modes):] + family_modes[: i % len(family_modes)]
+                for mode in order:
+                    outs.setdefault(question["question_id"], {})[mode] = peer.generate(
+                        mode, ids, options.max_new_tokens, options.gamma)
+                    bar.update(1)
+            bar.close()
+        finally:
+            peer.close()
 
 
 def _baseline_pass(options: BenchOptions, questions: list[dict], progress: bool) -> dict:

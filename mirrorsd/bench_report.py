@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from mirrorsd.bench import BenchResult
+from mirrorsd.peers import is_peer_mode
 
 COLUMNS = ("mode", "tok/s", "speedup", "mean accepted", "acceptance", "reuse", "overlap", "draft fwd/window",
            "parity")
@@ -34,13 +35,17 @@ def summarize_modes(result: BenchResult) -> list[dict]:
     return rows
 
 
+def _number(value: float) -> str:
+    return "-" if value != value else f"{value:.2f}"  # NaN: the peer does not report it
+
+
 def markdown(result: BenchResult, command: str) -> str:
     rows = summarize_modes(result)
     lines = [f"# mirrorsd bench — {result.options.model}", "", f"Command: `{command}`", "",
              f"Machine: {result.machine}; peak RSS {result.peak_rss_mb:.0f} MiB", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
-        cells = [row["mode"]] + [f"{row[c]:.2f}" for c in COLUMNS[1:-1]] + [row["parity"]]
+        cells = [row["mode"]] + [_number(row[c]) for c in COLUMNS[1:-1]] + [row["parity"]]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Per category (tok/s by mode):", "", "| category | " + " | ".join(r["mode"] for r in rows) + " |",
               "|---|" + "---|" * len(rows)]
@@ -53,10 +58,28 @@ def markdown(result: BenchResult, command: str) -> str:
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
     if result.skipped:
         lines += ["", f"Skipped (prompt + max_new_tokens over the context): questions {result.skipped}"]
-    flagged = [r for r in result.runs if r.parity == "DIFFERENT"]
-    lines += ["", f"Token parity with ar: {len(flagged)} run(s) differ beyond a near-tie."]
+    flagged = [r for r in result.runs if r.parity == "DIFFERENT" and not is_peer_mode(r.mode)]
+    lines += ["", f"Token parity with ar: {len(flagged)} run(s) of mirrorsd's modes differ beyond a near-tie."]
     lines += [f"- question {r.question_id} ({r.category}) mode {r.mode}" for r in flagged]
+    peer_rows = [r for r in rows if is_peer_mode(r["mode"])]
+    if peer_rows:
+        lines += ["", "Peers ran after mirrorsd's modes, one system at a time, on the same prompt token ids, with all "
+                  "cores (see `mirrorsd.peers`); their parity column compares them with mirrorsd's `ar`."]
+        lines += _peer_self_parity(result)
     return "\n".join(lines) + "\n"
+
+
+def _peer_self_parity(result: BenchResult) -> list[str]:
+    """A peer's speculative tokens against its own target-only tokens (the peers' own losslessness)."""
+    pairs = (("hf-assisted", "hf-ar"), ("ov-sd", "ov-ar"))
+    tokens = {(r.question_id, r.mode): r.tokens for r in result.runs}
+    lines = []
+    for spec, plain in pairs:
+        ids = [q for (q, m) in tokens if m == spec and (q, plain) in tokens]
+        if ids:
+            same = sum(tokens[(q, spec)] == tokens[(q, plain)] for q in ids)
+            lines.append(f"- {spec} = {plain} (its own target-only output) on {same}/{len(ids)} prompts")
+    return lines
 
 
 def spec_bench_answers(result: BenchResult) -> list[dict]:

@@ -26,7 +26,7 @@ def test_bench_reports_every_mode_and_checks_parity(tmp_path, exported):
     for mode in options.modes:
         assert f"| {mode} |" in table
     assert all(r.parity == "identical" for r in result.runs if r.mode != "ar")
-    assert "0 run(s) differ" in table
+    assert "0 run(s) of mirrorsd's modes differ" in table
     paths = write_outputs(result, "cmd")
     answers = [json.loads(line) for line in paths["answers"].read_text().splitlines()]
     assert len(answers) == 2 * len(options.modes) and all(a["choices"][0]["new_tokens"][0] > 0 for a in answers)
@@ -39,3 +39,53 @@ def test_parity_classification():
     assert classify_parity([1, 2, 3], [1, 9, 3], [5.0, 1e-4, 5.0]) == "near-tie"
     assert classify_parity([1, 2, 3], [1, 9, 3], [5.0, 0.5, 5.0]) == "DIFFERENT"
     assert classify_parity([1, 2, 3], [1, 2], [5.0] * 3) == "DIFFERENT"
+
+
+def test_bench_runs_transformers_peers_on_the_same_prompt_ids(tmp_path, exported, tiny_model):
+    """hf-ar and hf-assisted (transformers assisted generation) on the export's own source folders: greedy, so they
+    must emit mirrorsd's ar tokens (up to near-ties); a failing peer load or a different prompt would show here."""
+    folder = exported("llama", draft=tiny_model("llama", layers=2, seed=1))
+    options = BenchOptions(model=folder, modes=("ar", "sd", "hf-ar", "hf-assisted"), questions=questions(tmp_path),
+                           categories=("coding", "qa"), per_category=1, max_new_tokens=12,
+                           output=tmp_path / "out", warmup=False)
+    result = run_bench(options, progress=False)
+    peers = [r for r in result.runs if r.mode.startswith("hf-")]
+    assert sorted((r.question_id, r.mode) for r in peers) == [(0, "hf-ar"), (0, "hf-assisted"), (2, "hf-ar"),
+                                                              (2, "hf-assisted")]
+    assert all(r.parity in ("identical", "near-tie") for r in peers), [(r.mode, r.parity) for r in peers]
+    assert all(r.stats["new_tokens"] == len(r.tokens) > 0 and r.stats["tokens_per_second"] > 0 for r in peers)
+    table = markdown(result, "cmd")
+    assert "| hf-assisted |" in table and "hf-assisted = hf-ar (its own target-only output) on" in table
+
+
+def test_peer_modes_fail_clearly_without_hf_sources(tmp_path, exported):
+    from mirrorsd.peers import PeerUnavailableError
+
+    options = BenchOptions(model=exported("llama", draft_layers=3), modes=("ar", "hf-ar"),
+                           questions=questions(tmp_path), categories=("qa",), per_category=1, max_new_tokens=4,
+                           output=tmp_path / "out", warmup=False, peer_target=tmp_path / "nowhere")
+    try:
+        run_bench(options, progress=False)
+    except PeerUnavailableError as exc:
+        assert "--peer-target" in str(exc)
+    else:
+        raise AssertionError("a missing peer folder must raise PeerUnavailableError")
+
+
+def test_bench_runs_openvino_genai_peers(tmp_path, exported, tiny_model, monkeypatch):
+    """ov-ar / ov-sd: optimum-intel converts the tiny source folders, OpenVINO GenAI runs them on CPU (f32).
+    Skipped where the peers extra is not installed (CI installs it not: bash scripts/setup.sh --peers)."""
+    import pytest
+
+    pytest.importorskip("openvino_genai")
+    pytest.importorskip("optimum.intel")
+    monkeypatch.setenv("MIRRORSD_CACHE", str(tmp_path / "cache"))
+    folder = exported("llama", draft=tiny_model("llama", layers=2, seed=1))
+    options = BenchOptions(model=folder, modes=("ar", "ov-ar", "ov-sd"), questions=questions(tmp_path),
+                           categories=("coding",), per_category=1, max_new_tokens=8,
+                           output=tmp_path / "out", warmup=False)
+    result = run_bench(options, progress=False)
+    runs = {r.mode: r for r in result.runs}
+    assert len(runs["ov-ar"].tokens) > 0 and len(runs["ov-sd"].tokens) > 0
+    assert runs["ov-ar"].parity in ("identical", "near-tie", "DIFFERENT")  # reported, not required: a finding
+    assert "ov-sd = ov-ar (its own target-only output) on" in markdown(result, "cmd")

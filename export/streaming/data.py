@@ -10,6 +10,7 @@ resumed training never regenerates them.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -129,12 +130,15 @@ class ExportTarget:
     """The target of a mirrorsd export folder, run by ONNX Runtime (faster than PyTorch on a CPU; and when the
     export is the one being benchmarked, the draft learns exactly the target it will serve, precision included)."""
 
-    def __init__(self, folder: Path, max_new_tokens: int) -> None:
+    def __init__(self, folder: Path, max_new_tokens: int, threads: int | None = None) -> None:
         from transformers import AutoTokenizer
 
+        from mirrorsd.devices.placement import DeviceRequest
         from mirrorsd.runtime import Pipeline
 
-        self.pipe = Pipeline.load(folder)
+        # batched generation is compute-bound: give the target every core unless told otherwise
+        threads = threads or os.cpu_count() or 1
+        self.pipe = Pipeline.load(folder, DeviceRequest(target_threads=threads, draft_threads=1))
         self.tokenizer = AutoTokenizer.from_pretrained(str(Path(folder) / self.pipe.manifest.tokenizer.directory))
         self.eos_ids = tuple(self.pipe.manifest.tokenizer.eos_token_ids)
         self.max_new_tokens = max_new_tokens

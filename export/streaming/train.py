@@ -379,7 +379,7 @@ def _check_draft(options: TrainOptions, draft, samples: list[data.Sample]) -> No
 def _target(options: TrainOptions):
     """An export folder's target (ONNX Runtime), or a Hugging Face model / .gguf / pinned name (PyTorch)."""
     if data.is_export_folder(options.target):
-        return data.ExportTarget(Path(options.target).expanduser(), options.max_new_tokens)
+        return data.ExportTarget(Path(options.target).expanduser(), options.max_new_tokens, options.threads)
     from mirrorsd.export.loading import load_model
 
     return data.TorchTarget(load_model(options.target), options.max_new_tokens)
