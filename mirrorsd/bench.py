@@ -39,6 +39,7 @@ class BenchOptions:
     baseline_threads: int | None = None  # also run ar alone with this many threads per session ("ar-Nt")
     peer_target: Path | None = None  # HF folders for the peer modes (default: the export's sources)
     peer_draft: Path | None = None
+    bandwidth: bool = True  # measure the memory-bandwidth ceiling of ar in the same run
 
 
 @dataclass
@@ -58,6 +59,7 @@ class BenchResult:
     peak_rss_mb: float = 0.0
     skipped: list[int] = field(default_factory=list)
     machine: dict = field(default_factory=dict)
+    ceilings: list = field(default_factory=list)  # mirrorsd.bandwidth.Ceiling per thread count
 
 
 VARIANTS = {  # bench mode name -> GenerationConfig fields
@@ -124,6 +126,12 @@ def run_bench(options: BenchOptions, progress=True) -> BenchResult:
     baseline = _baseline_pass(options, questions, progress) if options.baseline_threads else {}
     ours = [m for m in options.modes if not is_peer_mode(m)]
     peers = [m for m in options.modes if is_peer_mode(m)]
+    if options.bandwidth:
+        from mirrorsd.bandwidth import ceilings
+        from mirrorsd.manifest import load_manifest
+
+        counts = tuple(sorted({own_threads(options), options.baseline_threads or 1, os.cpu_count() or 1}))
+        result.ceilings = ceilings(options.model, load_manifest(options.model), counts)
     outs, prompt_ids, manifest = _own_pass(options, ours, questions, result, progress)
     if peers:
         _peer_passes(options, peers, questions, prompt_ids, manifest, outs, progress)
@@ -140,6 +148,13 @@ def run_bench(options: BenchOptions, progress=True) -> BenchResult:
             result.runs.append(run)
     result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     return result
+
+
+def own_threads(options: BenchOptions) -> int:
+    """Intra-op threads of each of our sessions in this run (the Pipeline's default when not given)."""
+    from mirrorsd.devices.backends import default_threads
+
+    return options.target_threads or default_threads(2)
 
 
 def _stats_dict(out) -> dict:

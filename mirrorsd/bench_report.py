@@ -6,7 +6,7 @@ import statistics
 import time
 from pathlib import Path
 
-from mirrorsd.bench import BenchResult
+from mirrorsd.bench import BenchResult, own_threads
 from mirrorsd.peers import is_peer_mode
 
 COLUMNS = ("mode", "tok/s", "speedup", "mean accepted", "acceptance", "reuse", "overlap", "draft fwd/window",
@@ -56,6 +56,7 @@ def markdown(result: BenchResult, command: str) -> str:
             vals = [r.stats["tokens_per_second"] for r in result.runs if r.category == category and r.mode == row["mode"]]
             cells.append(f"{statistics.mean(vals):.2f}" if vals else "-")
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    lines += _ceiling_lines(result, rows)
     if result.skipped:
         lines += ["", f"Skipped (prompt + max_new_tokens over the context): questions {result.skipped}"]
     flagged = [r for r in result.runs if r.parity == "DIFFERENT" and not is_peer_mode(r.mode)]
@@ -67,6 +68,28 @@ def markdown(result: BenchResult, command: str) -> str:
                   "cores (see `mirrorsd.peers`); their parity column compares them with mirrorsd's `ar`."]
         lines += _peer_self_parity(result)
     return "\n".join(lines) + "\n"
+
+
+def _ceiling_lines(result: BenchResult, rows: list[dict]) -> list[str]:
+    """ar's decode speed against weight bytes ÷ measured bandwidth (see mirrorsd.bandwidth)."""
+    if not result.ceilings:
+        return []
+    first = result.ceilings[0]
+    lines = ["", f"Bandwidth ceiling (measured in this run; target weights read per decode step "
+                 f"{first.weight_gb_per_token:.2f} GB):", "",
+             "| threads | copy bandwidth GB/s | ceiling tok/s | ar mode at that thread count | its decode tok/s | "
+             "fraction of ceiling |", "|---|---|---|---|---|---|"]
+    threads = own_threads(result.options)
+    for ceiling in result.ceilings:
+        mode = "ar" if ceiling.threads == threads else f"ar-{ceiling.threads}t"
+        runs = [r for r in result.runs if r.mode == mode]
+        if runs:
+            decode = statistics.mean(r.stats["decode_tokens_per_second"] for r in runs)
+            tail = f"{mode} | {decode:.2f} | {decode / ceiling.tokens_per_second:.2f}"
+        else:
+            tail = "- | - | -"
+        lines.append(f"| {ceiling.threads} | {ceiling.bandwidth_gb_s:.1f} | {ceiling.tokens_per_second:.2f} | {tail} |")
+    return lines
 
 
 def _peer_self_parity(result: BenchResult) -> list[str]:

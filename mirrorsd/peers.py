@@ -17,6 +17,7 @@ what a peer reports are known: acceptance columns stay empty (NaN) unless the pe
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shutil
@@ -142,7 +143,7 @@ def convert_to_openvino(source: Path, precision: str, progress: bool = True) -> 
         raise PeerUnavailableError(f"No OpenVINO weight format for precision '{precision}'",
                                    f"known: {', '.join(OV_WEIGHT_FORMATS)}", "export with one of those")
     resolved = source.resolve()
-    key = f"{resolved.name}-{precision}-{abs(hash(str(resolved))) % 10**8:08d}"
+    key = f"{resolved.name}-{precision}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:10]}"
     out = openvino_cache() / key
     if (out / "openvino_model.xml").is_file() and (out / "openvino_tokenizer.xml").is_file():
         return out

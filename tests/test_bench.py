@@ -27,6 +27,8 @@ def test_bench_reports_every_mode_and_checks_parity(tmp_path, exported):
         assert f"| {mode} |" in table
     assert all(r.parity == "identical" for r in result.runs if r.mode != "ar")
     assert "0 run(s) of mirrorsd's modes differ" in table
+    assert result.ceilings and all(c.bandwidth_gb_s > 0 and c.tokens_per_second > 0 for c in result.ceilings)
+    assert "Bandwidth ceiling" in table and "| ar |" in table.split("Bandwidth ceiling")[1]
     paths = write_outputs(result, "cmd")
     answers = [json.loads(line) for line in paths["answers"].read_text().splitlines()]
     assert len(answers) == 2 * len(options.modes) and all(a["choices"][0]["new_tokens"][0] > 0 for a in answers)
@@ -47,7 +49,7 @@ def test_bench_runs_transformers_peers_on_the_same_prompt_ids(tmp_path, exported
     folder = exported("llama", draft=tiny_model("llama", layers=2, seed=1))
     options = BenchOptions(model=folder, modes=("ar", "sd", "hf-ar", "hf-assisted"), questions=questions(tmp_path),
                            categories=("coding", "qa"), per_category=1, max_new_tokens=12,
-                           output=tmp_path / "out", warmup=False)
+                           output=tmp_path / "out", warmup=False, bandwidth=False)
     result = run_bench(options, progress=False)
     peers = [r for r in result.runs if r.mode.startswith("hf-")]
     assert sorted((r.question_id, r.mode) for r in peers) == [(0, "hf-ar"), (0, "hf-assisted"), (2, "hf-ar"),
@@ -63,7 +65,7 @@ def test_peer_modes_fail_clearly_without_hf_sources(tmp_path, exported):
 
     options = BenchOptions(model=exported("llama", draft_layers=3), modes=("ar", "hf-ar"),
                            questions=questions(tmp_path), categories=("qa",), per_category=1, max_new_tokens=4,
-                           output=tmp_path / "out", warmup=False, peer_target=tmp_path / "nowhere")
+                           output=tmp_path / "out", warmup=False, bandwidth=False, peer_target=tmp_path / "nowhere")
     try:
         run_bench(options, progress=False)
     except PeerUnavailableError as exc:
