@@ -73,11 +73,17 @@ class KVCache:
 
     def adopt_row(self, other: "KVCache", row: int, src_start: int, count: int, dst_start: int) -> None:
         """Copy ``count`` slots of ``other``'s ``row`` from ``src_start`` into row 0 here at ``dst_start``."""
+        self.adopt_slots(other, row, np.arange(src_start, src_start + count), dst_start)
+
+    def adopt_slots(self, other: "KVCache", row: int, slots: np.ndarray, dst_start: int) -> None:
+        """Copy ``other``'s ``row`` at the given slot indices (in order; a streamed branch row has holes between
+        them) into row 0 here, contiguous from ``dst_start``; slots after them are dropped."""
+        count = len(slots)
         self.truncate(dst_start)
         self.reserve(dst_start + count)
         for src, dst in ((other.keys, self.keys), (other.values, self.values)):
             for s, d in zip(src, dst):
-                d[0, :, dst_start:dst_start + count] = s[row, :, src_start:src_start + count]
+                d[0, :, dst_start:dst_start + count] = s[row][:, slots]  # [H, count, D]
         self.length = dst_start + count
 
     def nbytes(self) -> int:

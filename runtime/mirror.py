@@ -30,7 +30,8 @@ from mirrorsd.runtime.kv_cache import KVCache
 from mirrorsd.runtime.models import DraftModel
 from mirrorsd.runtime.proposers import Proposal, draft_rollout
 from mirrorsd.runtime.sampling import GREEDY, Sampler
-from mirrorsd.runtime.verify import Verdict, rank_branches, top_k_logprobs
+from mirrorsd.runtime.streaming import StreamingDraftModel
+from mirrorsd.runtime.verify import Verdict, greedy_tokens, rank_branches, top_k_logprobs
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class _Ready:
     top_ids: np.ndarray  # [g, k]
     top_logprobs: np.ndarray
     probs: np.ndarray | None = None  # [g, vocab] q per token (residual rule)
+    slots: np.ndarray | None = None  # [g] cache slots of the row's fed tokens (v, t_1 .. t_g-1); None: the last g
 
 
 @dataclass
@@ -198,7 +200,9 @@ class DraftWorker(threading.Thread):
         if ready is not None and len(ready.tokens) >= message.gamma:
             g = message.gamma
             keep = window.base_length + verdict.accepted  # committed + accepted window tokens
-            self.draft.cache.adopt_row(ready.cache, ready.row, ready.cache.length - len(ready.tokens), g, keep)
+            slots = ready.slots[:g] if ready.slots is not None else \
+                np.arange(ready.cache.length - len(ready.tokens), ready.cache.length - len(ready.tokens) + g)
+            self.draft.cache.adopt_slots(ready.cache, ready.row, slots, keep)
             self.draft.cache_tokens[keep:] = [verdict.correction, *ready.tokens[: g - 1].tolist()]
             k = self.settings.runner_up_k
             pad = np.zeros((1, k), np.int64), np.full((1, k), -np.inf, np.float32)
@@ -251,24 +255,42 @@ class DraftWorker(threading.Thread):
         ids, lps = top_k_logprobs(logits[-1:], self.settings.runner_up_k)
         window.top_ids[-1], window.top_logprobs[-1] = ids[0], lps[0]
 
-    def _roll_out(self, window: _Window, batch, abandon: bool) -> object | None:
-        """Roll out ``batch`` branches together, one row each, g forwards. Returns a message that arrived.
-
-        Row r continues committed + window[:d_r - 1] + v_r. The rows share the main cache's slots; slots
-        beyond each row's branch point are masked out (holes), so one tiled cache serves every depth.
-        """
-        g, rows = len(window.tokens), len(batch)
+    def _branch_rows(self, window: _Window, batch, extra: int):
+        """A tiled cache, mask, next positions [rows] and contexts for ``batch``: row r continues
+        committed + window[:d_r - 1] + v_r. The rows share the main cache's slots; slots beyond each row's branch
+        point are masked out (holes), so one tiled cache serves every depth."""
         base = self.draft.cache  # committed + the whole window
-        cache = base.tiled(rows, g)
-        mask = np.ones((rows, base.length), np.int64)
-        positions = np.empty((rows, 1), np.int64)
+        cache = base.tiled(len(batch), extra)
+        mask = np.ones((len(batch), base.length), np.int64)
+        positions = np.empty(len(batch), np.int64)
         for r, branch in enumerate(batch):
             keep = window.base_length + branch.depth - 1
             mask[r, keep:] = 0
-            positions[r, 0] = keep
-        ids = np.array([[b.token] for b in batch], np.int64)
+            positions[r] = keep
         contexts = [self.committed + window.tokens[:b.depth - 1].tolist() + [b.token] for b in batch] \
             if self.sampler.needs_context else None  # each row's text so far (repetition penalty)
+        return cache, mask, positions, contexts
+
+    def _after_forward(self, batch, message, abandon: bool):
+        """Poll between forwards; (message, stop): stop when the verdict wants a branch outside ``batch``."""
+        if message is not None:
+            return message, False
+        message = self._poll()
+        if isinstance(message, _Verdict) and abandon:
+            if not any((b.depth, b.token) == message.verdict.branch for b in batch):
+                return message, True  # abandon: the verdict wants another branch
+        elif message is not None and not isinstance(message, (_Exit, _Verdict)):
+            return message, True
+        return message, False
+
+    def _roll_out(self, window: _Window, batch, abandon: bool) -> object | None:
+        """Roll out ``batch`` branches together, one row each. Returns a message that arrived meanwhile."""
+        if isinstance(self.draft, StreamingDraftModel):
+            return self._roll_out_streamed(window, batch, abandon)
+        g, rows = len(window.tokens), len(batch)
+        cache, mask, next_positions, contexts = self._branch_rows(window, batch, g)
+        positions = next_positions[:, None]  # [rows, 1]
+        ids = np.array([[b.token] for b in batch], np.int64)
         tokens, top_ids, top_lps, probs = [], [], [], []
         message = None
         for step in range(g):
@@ -286,19 +308,83 @@ class DraftWorker(threading.Thread):
             if contexts is not None:
                 contexts = [c + [int(t)] for c, t in zip(contexts, picked)]
             ids, positions = picked[:, None].astype(np.int64), positions + 1
-            if message is None:
-                message = self._poll()
-                if isinstance(message, _Verdict) and abandon:
-                    if not any((b.depth, b.token) == message.verdict.branch for b in batch):
-                        return message  # abandon: the verdict wants another branch
-                elif message is not None and not isinstance(message, (_Exit, _Verdict)):
-                    return message
+            message, stop = self._after_forward(batch, message, abandon)
+            if stop:
+                return message
         self.counters.branches += rows
         stacked = np.stack(tokens, axis=1), np.stack(top_ids, axis=1), np.stack(top_lps, axis=1)  # [rows, g, ...]
         q = np.stack(probs, axis=1) if probs[0] is not None else None  # [rows, g, vocab]
         for r, branch in enumerate(batch):
             self._ready[(branch.depth, branch.token)] = _Ready(cache, r, stacked[0][r], stacked[1][r], stacked[2][r],
                                                                None if q is None else q[r])
+        return message
+
+    def _roll_out_streamed(self, window: _Window, batch, abandon: bool) -> object | None:
+        """``_roll_out`` with a streaming draft: each row feeds its last pick plus its lookahead (the streams of
+        its previous forward), keeps the lookahead prefix its own main-stream picks confirm, and masks the rest
+        out (holes in that row). Rows have lookaheads of different lengths: shorter rows are padded with masked
+        slots, and only rows that fill the width get valid streams (the streams hang on the last column).
+        Every window token is still the row's main-stream pick at its position: the same window as ``_roll_out``
+        (up to float noise between the two graphs), in fewer forwards."""
+        g, rows, k = len(window.tokens), len(batch), self.settings.runner_up_k
+        cache, mask, positions, contexts = self._branch_rows(window, batch, g * (self.draft.streams + 1))
+        last = [int(b.token) for b in batch]  # the token each row feeds next
+        lookahead: list[list[int]] = [[] for _ in batch]
+        made: list[list[tuple]] = [[] for _ in batch]  # per row: (token, top ids, top log-probs, q)
+        slots: list[list[int]] = [[] for _ in batch]  # per row: the cache slots of its fed tokens, in order
+        message = None
+        while any(len(m) < g for m in made):
+            need = [g - len(m) for m in made]
+            fed = [[last[r], *lookahead[r][: max(need[r] - 1, 0)]] if need[r] > 0 else [] for r in range(rows)]
+            width = max(len(f) for f in fed)
+            ids = np.zeros((rows, width), np.int64)  # [rows, width]; padding slots are masked out
+            new_mask = np.zeros((rows, width), np.int64)
+            for r, f in enumerate(fed):
+                ids[r, :len(f)], new_mask[r, :len(f)] = f, 1
+            step_positions = positions[:, None] + np.arange(width)[None]  # [rows, width]
+            first_slot = cache.length
+            mask = np.concatenate([mask, new_mask], axis=1)
+            # a forward that finishes every row needs no next lookahead: the plain graph is cheaper
+            plain = all(len(f) >= n for f, n in zip(fed, need) if n > 0)
+            start = time.perf_counter()
+            if plain:
+                logits, streams = self.draft.forward(cache, ids, mask, step_positions), None
+            else:
+                logits, streams = self.draft.forward_streaming(cache, ids, mask, step_positions)
+            self.counters.busy.append((start, time.perf_counter()))
+            self.counters.forwards_since_verdict += 1
+            flat = logits.reshape(rows * width, -1)  # [rows * width, vocab]
+            flat_contexts = [contexts[r] + fed[r][1:c + 1] for r in range(rows) for c in range(width)] \
+                if contexts is not None else None
+            picks, q = self.sampler.draft(flat, (step_positions + 1).reshape(-1), flat_contexts)
+            tids, tlps = top_k_logprobs(flat, k)
+            for r in range(rows):
+                if not fed[r]:
+                    continue
+                at = r * width
+                kept = 0
+                while kept < len(fed[r]) - 1 and fed[r][kept + 1] == int(picks[at + kept]):
+                    kept += 1
+                for c in range(kept + 1):
+                    made[r].append((int(picks[at + c]), tids[at + c], tlps[at + c], None if q is None else q[at + c]))
+                slots[r] += [first_slot + c for c in range(kept + 1)]
+                mask[r, first_slot + kept + 1:] = 0  # rejected lookahead and padding: holes in this row
+                positions[r] += kept + 1
+                last[r] = int(picks[at + kept])
+                if contexts is not None:
+                    contexts[r] = contexts[r] + [int(picks[at + c]) for c in range(kept + 1)]
+                full = streams is not None and kept == len(fed[r]) - 1 and len(fed[r]) == width
+                lookahead[r] = greedy_tokens(streams[r]).tolist() if full else []
+            message, stop = self._after_forward(batch, message, abandon)
+            if stop:
+                return message
+        self.counters.branches += rows
+        for r, branch in enumerate(batch):
+            row = made[r][:g]
+            self._ready[(branch.depth, branch.token)] = _Ready(
+                cache, r, np.array([t for t, *_ in row], np.int64), np.stack([t[1] for t in row]),
+                np.stack([t[2] for t in row]), None if q is None else np.stack([t[3] for t in row]),
+                np.asarray(slots[r][:g], np.int64))
         return message
 
     def _poll(self):

@@ -36,12 +36,22 @@ class StreamingDraftModel(DraftModel):
     def extend_streaming(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Feed ``tokens`` to the main cache: (main logits [S, vocab], stream logits [n, vocab])."""
         ids, mask, positions = single_row_inputs(tokens, self.cache.length)
-        feeds = {self.streaming.first_input: ids, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
-        feeds.update(self.cache.past_feeds())
-        out = self.streaming.run(feeds)
-        self.cache.append_presents(out, ids.shape[1])
+        logits, streams = self.forward_streaming(self.cache, ids, mask, positions)
         self.cache_tokens.extend(int(t) for t in tokens)
-        return out[self._main_name][0], out[self._stream_name][0]
+        return logits[0], streams[0]
+
+    def forward_streaming(self, cache, ids: np.ndarray, mask: np.ndarray,
+                          positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ids [B, S] -> (main logits [B, S, vocab], stream logits [B, n, vocab], hung on input column S - 1);
+        appends S slots to ``cache`` (any cache of this draft: the main one or a branch batch's)."""
+        feeds = {self.streaming.first_input: ids, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
+        feeds.update(cache.past_feeds())
+        out = self.streaming.run(feeds)
+        logits, streams = out[self._main_name], out[self._stream_name]
+        if logits.shape[:2] != ids.shape or streams.shape[:2] != (ids.shape[0], self.streams):
+            raise ValueError(f"streaming draft returned {logits.shape} / {streams.shape} for inputs {ids.shape}")
+        cache.append_presents(out, ids.shape[1])
+        return logits, streams
 
     def truncate(self, length: int) -> None:
         """Drop cache slots from ``length`` on (rejected lookahead tokens)."""

@@ -206,6 +206,47 @@ def test_streaming_rollout_matches_draft_rollout(folders, pipelines):
         assert pipe.streaming_draft.cache.length == len(committed) + 5
 
 
+@pytest.mark.parametrize("kind", ["cyclic", "weak"])
+def test_streamed_branch_rollouts_match_plain_ones(kind, folders, pipelines):
+    """Mirror's branch rollouts with the streaming draft: per branch the same tokens and candidates as the plain
+    draft's rollout (the lookahead only saves forwards), and adopting a streamed branch (its KV sits in the row
+    with holes between) leaves the main cache as adopting the plain branch does."""
+    from mirrorsd.runtime.mirror import DraftWorker, MirrorSettings, _Window
+    from mirrorsd.runtime.proposers import draft_rollout
+    from mirrorsd.runtime.verify import Branch
+
+    pipe = pipelines(folders[kind])
+    settings, g = MirrorSettings(runner_up_k=3), 5
+    for committed in PROMPTS:
+        ready, forwards, adopted = {}, {}, {}
+        for name, draft in (("plain", pipe.draft), ("streamed", pipe.streaming_draft)):
+            draft.reset(capacity=len(committed) + 64)
+            rollout = draft_rollout(draft, committed, g, 3)
+            draft.extend([int(rollout.tokens[-1])])  # the worker's extend: main cache = committed + window
+            worker = DraftWorker(draft, settings)
+            worker.committed = list(committed)
+            window = _Window(rollout.tokens, rollout.top_ids, rollout.top_logprobs, len(committed))
+            batch = [Branch(1, int(rollout.top_ids[0, 1]), 0.0), Branch(3, int(rollout.top_ids[2, 1]), 0.0),
+                     Branch(g + 1, 7, 0.0)]
+            assert worker._roll_out(window, batch, abandon=False) is None
+            ready[name] = worker._ready
+            forwards[name] = worker.counters.forwards_since_verdict
+            hit = ready[name][(3, batch[1].token)]  # adopt branch (3, v): keep committed + window[:2], then v ...
+            keep = len(committed) + 2
+            draft.cache.adopt_slots(hit.cache, hit.row, hit.slots if hit.slots is not None else
+                                    np.arange(hit.cache.length - g, hit.cache.length), keep)
+            adopted[name] = [k[0, :, :draft.cache.length].copy() for k in draft.cache.keys]
+        for key, plain in ready["plain"].items():
+            streamed = ready["streamed"][key]
+            assert streamed.tokens.tolist() == plain.tokens.tolist(), (kind, committed, key)
+            assert streamed.top_ids.tolist() == plain.top_ids.tolist()
+        assert forwards["plain"] == g and 1 <= forwards["streamed"] <= g
+        for a, b in zip(adopted["plain"], adopted["streamed"]):
+            assert a.shape == b.shape and np.abs(a - b).max() < 1e-4
+    if kind == "cyclic":
+        assert forwards["streamed"] < g  # trained streams must save forwards on the cycle
+
+
 def test_resume_continues_exactly(tmp_path, weak, questions):
     from safetensors.torch import load_file
 
