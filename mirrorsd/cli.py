@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", required=True, type=Path, help="an export folder")
     bench.add_argument("--modes", default="ar,sd,mirror",
                        help="comma-separated modes; ar is the speedup baseline. Ours: ar, sd, mirror, mirror-noexit, "
-                            "mirror-cap, sd-nostream, mirror-nostream. Peers (bash scripts/setup.sh --peers): hf-ar, "
+                            "mirror-cap, mirror-wide (6 branches in batches of 3, no exit head), sd-nostream, "
+                            "mirror-nostream. Peers (bash scripts/setup.sh --peers): hf-ar, "
                             "hf-assisted (transformers assisted generation), ov-ar, ov-sd (OpenVINO GenAI "
                             "speculative decoding), on the export's source models")
     bench.add_argument("--questions", type=Path, help="SpecBench question.jsonl (default: shared/data/spec_bench)")

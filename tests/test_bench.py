@@ -17,7 +17,7 @@ def questions(tmp_path):
 
 
 def test_bench_reports_every_mode_and_checks_parity(tmp_path, exported):
-    options = BenchOptions(model=exported("llama", draft_layers=3), modes=("ar", "sd", "mirror", "mirror-noexit"),
+    options = BenchOptions(model=exported("llama", draft_layers=3), modes=("ar", "sd", "mirror", "mirror-noexit", "mirror-wide"),
                            questions=questions(tmp_path), categories=("coding", "qa"), per_category=1,
                            max_new_tokens=16, output=tmp_path / "out", warmup=False)
     result = run_bench(options, progress=False)
