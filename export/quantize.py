@@ -62,6 +62,7 @@ def _nbits(src: Path, dst: Path, bits: int, accuracy_level: int) -> None:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     model = onnx.load(str(src), load_external_data=True)
+    fold_weight_identities(model.graph)
     quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=True,
                                     accuracy_level=accuracy_level)
     quantizer.process()
@@ -69,3 +70,25 @@ def _nbits(src: Path, dst: Path, bits: int, accuracy_level: int) -> None:
     large = result.ByteSize() >= PROTOBUF_LIMIT
     onnx.save_model(result, str(dst), save_as_external_data=large, all_tensors_to_one_file=True,
                     location=dst.name + ".data" if large else None, size_threshold=1024)
+
+
+def fold_weight_identities(graph) -> int:
+    """Point the consumers of ``Identity(initializer)`` at the initializer itself; returns how many were folded.
+
+    TorchScript emits such an Identity when one weight feeds two MatMuls (the streaming draft's main head and stream
+    head share the LM head). The quantizer only quantizes a MatMul whose weight *is* an initializer, so without
+    this the stream head stayed fp32 (0.54 GB beside the int4 graph for Qwen's 0.5B, read on every forward)."""
+    initializers = {i.name for i in graph.initializer}
+    kept_outputs = {o.name for o in graph.output}
+    alias = {n.output[0]: n.input[0] for n in graph.node
+             if n.op_type == "Identity" and n.input[0] in initializers and n.output[0] not in kept_outputs}
+    if not alias:
+        return 0
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in alias:
+                node.input[i] = alias[name]
+    identities = [n for n in graph.node if n.op_type == "Identity" and n.output[0] in alias]
+    for node in identities:
+        graph.node.remove(node)
+    return len(identities)

@@ -38,8 +38,9 @@ def requantize(source: Path, output: Path, target_precision: str, draft_precisio
     output.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
+        draft_roles = (names.DRAFT,) + ((names.DRAFT_STREAMING,) if names.DRAFT_STREAMING in manifest.graphs else ())
         plan = [(target_precision, TARGET_ROLES, "target", names.SUFFIX),
-                (draft_precision, (names.DRAFT,), "draft", names.DRAFT)]
+                (draft_precision, draft_roles, "draft", names.DRAFT)]  # the streaming draft shares draft's weights
         plan = [step for step in plan if step[0] != "fp32" and done.get(f"{step[2]}_precision", "fp32") != step[0]]
         rewritten = {manifest.graph(role).file for _, roles, _, _ in plan for role in roles}
         for item in source.iterdir():

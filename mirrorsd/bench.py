@@ -234,22 +234,28 @@ def _peer_passes(options: BenchOptions, modes: list[str], questions: list[dict],
 
 
 def _baseline_pass(options: BenchOptions, questions: list[dict], progress: bool) -> dict:
-    """``ar`` with ``baseline_threads`` threads, in its own pipeline (sessions cannot change thread counts)."""
+    """``ar`` (and ``sd`` when asked for) with ``baseline_threads`` threads per session, in their own pipeline
+    (sessions cannot change thread counts): reported as ``ar-Nt`` / ``sd-Nt``. Serial modes never run two sessions
+    at once, so on a CPU these are their best settings; Mirror-SD's two concurrent sessions split the cores."""
     from tqdm import tqdm
 
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import GenerationConfig, Pipeline
 
     n = options.baseline_threads
-    config = GenerationConfig(mode="ar", max_new_tokens=options.max_new_tokens)
-    outs = {}
+    configs = {f"{mode}-{n}t": GenerationConfig(mode=mode, max_new_tokens=options.max_new_tokens, gamma=options.gamma)
+               for mode in ("ar", "sd") if mode == "ar" or mode in options.modes}
+    outs: dict = {}
     with Pipeline.load(options.model, DeviceRequest(target_threads=n, draft_threads=n)) as pipe:
         if options.warmup:
-            pipe.generate("Say hello.", GenerationConfig(mode="ar", max_new_tokens=8))
-        for question in tqdm(questions, disable=not progress, desc=f"ar-{n}t", unit="gen"):
+            for config in configs.values():
+                pipe.generate("Say hello.", GenerationConfig(**{**config.__dict__, "max_new_tokens": 8}))
+        for i, question in enumerate(tqdm(questions, disable=not progress, desc=f"{n} threads", unit="prompt")):
             prompt = question["turns"][0]
-            if len(pipe.encode(prompt, config)) + options.max_new_tokens <= pipe.context_limit:
-                outs[question["question_id"]] = {f"ar-{n}t": pipe.generate(prompt, config)}
+            if len(pipe.encode(prompt, GenerationConfig())) + options.max_new_tokens > pipe.context_limit:
+                continue
+            names = list(configs)[i % len(configs):] + list(configs)[: i % len(configs)]
+            outs[question["question_id"]] = {name: pipe.generate(prompt, configs[name]) for name in names}
     return outs
 
 

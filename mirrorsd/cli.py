@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--branch-batch", type=int, default=2)
     bench.add_argument("--threads", type=int, help="intra-op threads per session (default: cores / 2)")
     bench.add_argument("--baseline-threads", type=int,
-                       help="also run ar alone with N threads per session (all cores), reported as ar-Nt")
+                       help="also run ar (and sd, if asked for) with N threads per session (all cores), "
+                            "reported as ar-Nt / sd-Nt: the serial modes' best thread setting")
     bench.add_argument("--peer-target", type=Path, help="HF folder of the target for peer modes (default: the "
                                                          "export's source)")
     bench.add_argument("--peer-draft", type=Path, help="HF folder of the draft for peer modes (default: the export's "

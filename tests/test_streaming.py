@@ -247,6 +247,30 @@ def test_streamed_branch_rollouts_match_plain_ones(kind, folders, pipelines):
         assert forwards["streamed"] < g  # trained streams must save forwards on the cycle
 
 
+def test_int4_streaming_draft_quantizes_both_heads_and_stays_lossless(folders, tmp_path):
+    """The streaming graph uses the LM head twice (main and stream heads; TorchScript puts an Identity between the
+    weight and the second MatMul): both heads must end up 4-bit, through export-time quantization and through
+    `mirrorsd quantize` alike, and sd/mirror with that draft must still equal ar."""
+    import onnx
+
+    from mirrorsd.export.requantize import requantize
+    from mirrorsd.runtime import Pipeline
+
+    out = requantize(folders["cyclic"], tmp_path / "q", "fp32", "int4")
+    model = onnx.load(str(out / "draft_streaming.onnx"), load_external_data=False)
+    matmul_weights = {i for n in model.graph.node if n.op_type == "MatMul" for i in n.input}
+    fp32_weights = [i.name for i in model.graph.initializer if i.name in matmul_weights and len(i.dims) == 2]
+    assert fp32_weights == [], fp32_weights  # every weight MatMul became MatMulNBits
+    assert not any(n.op_type == "Identity" and n.input[0] in {i.name for i in model.graph.initializer}
+                   for n in model.graph.node)
+    with Pipeline.load(out) as pipe:
+        assert pipe.streaming_draft is not None
+        for prompt in PROMPTS[:2]:
+            ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW)).tokens
+            for mode in ("sd", "mirror"):
+                assert pipe.generate(prompt, GenerationConfig(mode=mode, max_new_tokens=NEW)).tokens == ar
+
+
 def test_resume_continues_exactly(tmp_path, weak, questions):
     from safetensors.torch import load_file
 
