@@ -8,7 +8,6 @@ agreement against the fp32 graphs on the validation batch). Written atomically l
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import tempfile
 from pathlib import Path
