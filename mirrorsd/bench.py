@@ -152,6 +152,12 @@ def run_bench(options: BenchOptions, progress=True) -> BenchResult:
     return result
 
 
+def rotated(modes: list[str], i: int) -> list[str]:
+    """Prompt i runs the modes starting at the i-th: drift in machine speed hits every mode alike."""
+    k = i % len(modes) if modes else 0
+    return modes[k:] + modes[:k]
+
+
 def own_threads(options: BenchOptions) -> int:
     """Intra-op threads of each of our sessions in this run (the Pipeline's default when not given)."""
     from mirrorsd.devices.backends import default_threads
@@ -190,8 +196,7 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[dict], re
                 bar.update(len(configs))
                 continue
             prompt_ids[question["question_id"]] = ids
-            order = list(configs)[i % max(len(configs), 1):] + list(configs)[: i % max(len(configs), 1)]
-            for mode in order:
+            for mode in rotated(list(configs), i):
                 outs.setdefault(question["question_id"], {})[mode] = pipe.generate(ids, configs[mode])
                 bar.update(1)
         bar.close()
@@ -223,8 +228,7 @@ def _peer_passes(options: BenchOptions, modes: list[str], questions: list[dict],
             bar = tqdm(total=len(prompt_ids) * len(family_modes), disable=not progress, desc=family, unit="gen")
             for i, question in enumerate(q for q in questions if q["question_id"] in prompt_ids):
                 ids = prompt_ids[question["question_id"]]
-                order = family_modes[i % len(family_modes):] + family_modes[: i % len(family_modes)]
-                for mode in order:
+                for mode in rotated(family_modes, i):
                     outs.setdefault(question["question_id"], {})[mode] = peer.generate(
                         mode, ids, options.max_new_tokens, options.gamma)
                     bar.update(1)
@@ -254,8 +258,8 @@ def _baseline_pass(options: BenchOptions, questions: list[dict], progress: bool)
             prompt = question["turns"][0]
             if len(pipe.encode(prompt, GenerationConfig())) + options.max_new_tokens > pipe.context_limit:
                 continue
-            names = list(configs)[i % len(configs):] + list(configs)[: i % len(configs)]
-            outs[question["question_id"]] = {name: pipe.generate(prompt, configs[name]) for name in names}
+            outs[question["question_id"]] = {name: pipe.generate(prompt, configs[name])
+                                             for name in rotated(list(configs), i)}
     return outs
 
 

@@ -74,8 +74,7 @@ def hf_folder(path: str | os.PathLike, role: str) -> Path:
     return folder
 
 
-def peer_stats(mode: str, prompt_tokens: int, new_tokens: int, seconds: float, ttft: float = math.nan,
-               mean_accepted: float = math.nan, acceptance: float = math.nan) -> dict:
+def peer_stats(mode: str, prompt_tokens: int, new_tokens: int, seconds: float, ttft: float = math.nan) -> dict:
     from mirrorsd.runtime.stats import GenerationStats
 
     nan = math.nan
@@ -83,7 +82,7 @@ def peer_stats(mode: str, prompt_tokens: int, new_tokens: int, seconds: float, t
     return GenerationStats(
         mode=mode, prompt_tokens=prompt_tokens, new_tokens=new_tokens, seconds=seconds, time_to_first_token_s=ttft,
         tokens_per_second=new_tokens / max(seconds, 1e-9), decode_tokens_per_second=decode,
-        mean_accepted_tokens=mean_accepted, acceptance_rate=acceptance, reuse_rate=nan, fallback_rate=nan,
+        mean_accepted_tokens=nan, acceptance_rate=nan, reuse_rate=nan, fallback_rate=nan,
         steps=0, drafted=0, accepted=0, windows=0, reused=0, fallbacks=0, draft_forwards=0,
         draft_forwards_per_window=nan, branches_rolled_out=0, draft_failures=0, target_busy_s=nan,
         draft_busy_s=nan, draft_hidden_s=nan, overlap_ratio=nan, placement={"peer": PEER_MODES[mode][0]}).to_dict()
@@ -98,7 +97,7 @@ def cut_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
 
 
 class TransformersPeer:
-    """transformers ``generate()``: greedy, fp32, eager attention off (sdpa, transformers' default)."""
+    """transformers ``generate()``: greedy, fp32, transformers' default attention (sdpa)."""
 
     def __init__(self, models: PeerModels, eos_ids: tuple[int, ...]) -> None:
         try:
@@ -176,7 +175,7 @@ class OpenVINOGenAIPeer:
             import openvino_genai
         except ImportError as exc:
             raise PeerUnavailableError("openvino-genai is not installed", str(exc), INSTALL_HINT) from exc
-        self.ov, self.genai, self.eos_ids = ov, openvino_genai, tuple(eos_ids)
+        self.ov, self.eos_ids = ov, tuple(eos_ids)
         properties = {"INFERENCE_PRECISION_HINT": "f32"}
         target = convert_to_openvino(models.target, models.target_precision, progress)
         self.pipes = {False: openvino_genai.LLMPipeline(str(target), "CPU", **properties)}

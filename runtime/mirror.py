@@ -98,8 +98,8 @@ class _Ready:
     tokens: np.ndarray  # [g] the branch's rollout: the next window if the verdict hits it
     top_ids: np.ndarray  # [g, k]
     top_logprobs: np.ndarray
+    slots: np.ndarray  # [g] cache slots holding the row's fed tokens v, t_1 .. t_g-1 (a streamed row has holes)
     probs: np.ndarray | None = None  # [g, vocab] q per token (residual rule)
-    slots: np.ndarray | None = None  # [g] cache slots of the row's fed tokens (v, t_1 .. t_g-1); None: the last g
 
 
 @dataclass
@@ -200,9 +200,7 @@ class DraftWorker(threading.Thread):
         if ready is not None and len(ready.tokens) >= message.gamma:
             g = message.gamma
             keep = window.base_length + verdict.accepted  # committed + accepted window tokens
-            slots = ready.slots[:g] if ready.slots is not None else \
-                np.arange(ready.cache.length - len(ready.tokens), ready.cache.length - len(ready.tokens) + g)
-            self.draft.cache.adopt_slots(ready.cache, ready.row, slots, keep)
+            self.draft.cache.adopt_slots(ready.cache, ready.row, ready.slots[:g], keep)
             self.draft.cache_tokens[keep:] = [verdict.correction, *ready.tokens[: g - 1].tolist()]
             k = self.settings.runner_up_k
             pad = np.zeros((1, k), np.int64), np.full((1, k), -np.inf, np.float32)
@@ -314,9 +312,10 @@ class DraftWorker(threading.Thread):
         self.counters.branches += rows
         stacked = np.stack(tokens, axis=1), np.stack(top_ids, axis=1), np.stack(top_lps, axis=1)  # [rows, g, ...]
         q = np.stack(probs, axis=1) if probs[0] is not None else None  # [rows, g, vocab]
+        slots = np.arange(cache.length - g, cache.length)  # one new slot per forward, the same for every row
         for r, branch in enumerate(batch):
             self._ready[(branch.depth, branch.token)] = _Ready(cache, r, stacked[0][r], stacked[1][r], stacked[2][r],
-                                                               None if q is None else q[r])
+                                                               slots, None if q is None else q[r])
         return message
 
     def _roll_out_streamed(self, window: _Window, batch, abandon: bool) -> object | None:
@@ -383,8 +382,8 @@ class DraftWorker(threading.Thread):
             row = made[r][:g]
             self._ready[(branch.depth, branch.token)] = _Ready(
                 cache, r, np.array([t for t, *_ in row], np.int64), np.stack([t[1] for t in row]),
-                np.stack([t[2] for t in row]), None if q is None else np.stack([t[3] for t in row]),
-                np.asarray(slots[r][:g], np.int64))
+                np.stack([t[2] for t in row]), np.asarray(slots[r][:g], np.int64),
+                None if q is None else np.stack([t[3] for t in row]))
         return message
 
     def _poll(self):

@@ -233,8 +233,7 @@ def test_streamed_branch_rollouts_match_plain_ones(kind, folders, pipelines):
             forwards[name] = worker.counters.forwards_since_verdict
             hit = ready[name][(3, batch[1].token)]  # adopt branch (3, v): keep committed + window[:2], then v ...
             keep = len(committed) + 2
-            draft.cache.adopt_slots(hit.cache, hit.row, hit.slots if hit.slots is not None else
-                                    np.arange(hit.cache.length - g, hit.cache.length), keep)
+            draft.cache.adopt_slots(hit.cache, hit.row, hit.slots, keep)
             adopted[name] = [k[0, :, :draft.cache.length].copy() for k in draft.cache.keys]
         for key, plain in ready["plain"].items():
             streamed = ready["streamed"][key]
