@@ -40,6 +40,7 @@ class BenchOptions:
     peer_target: Path | None = None  # HF folders for the peer modes (default: the export's sources)
     peer_draft: Path | None = None
     bandwidth: bool = True  # measure the memory-bandwidth ceiling of ar in the same run
+    native_library: Path | None = None  # libmirrorsd for the c-* modes (default: built into the mirrorsd cache)
 
 
 @dataclass
@@ -76,13 +77,25 @@ VARIANTS = {  # bench mode name -> GenerationConfig fields
 }
 
 
+# The same decoders in C++ (libmirrorsd, runtime/native) through ctypes: bench mode -> NativeModel.generate fields
+NATIVE_VARIANTS = {
+    "c-ar": {"mode": "ar"},
+    "c-sd": {"mode": "sd"},
+    "c-mirror": {"mode": "mirror"},
+    "c-mirror-noexit": {"mode": "mirror", "exit_head": False},
+}
+
+
 def variant(mode: str) -> dict:
     from mirrorsd.peers import PEER_MODES
 
     if mode in PEER_MODES:
         return {}
+    if mode in NATIVE_VARIANTS:
+        return NATIVE_VARIANTS[mode]
     if mode not in VARIANTS:
-        raise GenerationInputError(f"Unknown bench mode '{mode}'", f"modes are {', '.join([*VARIANTS, *PEER_MODES])}",
+        raise GenerationInputError(f"Unknown bench mode '{mode}'",
+                                   f"modes are {', '.join([*VARIANTS, *NATIVE_VARIANTS, *PEER_MODES])}",
                                    "pick from those")
     return VARIANTS[mode]
 
@@ -179,15 +192,20 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[dict], re
     devices = DeviceRequest(target_threads=options.target_threads, draft_threads=options.draft_threads)
     outs: dict = {}
     prompt_ids: dict = {}
-    with Pipeline.load(options.model, devices) as pipe:
-        shared = dict(max_new_tokens=options.max_new_tokens, gamma=options.gamma, branches=options.branches,
-                      branch_batch=options.branch_batch)
+    shared = dict(max_new_tokens=options.max_new_tokens, gamma=options.gamma, branches=options.branches,
+                  branch_batch=options.branch_batch)
+    native_modes = [m for m in modes if m in NATIVE_VARIANTS]
+    with Pipeline.load(options.model, devices) as pipe, _native_model(options, native_modes) as native:
         configs = {mode: GenerationConfig(**{**shared, "record_margins": mode == "ar", **variant(mode)})
-                   for mode in modes}
+                   for mode in modes if mode not in NATIVE_VARIANTS}
+        configs.update({mode: _NativeRun(native, mode, {**shared, **variant(mode)}) for mode in native_modes})
         encode_config = GenerationConfig(max_new_tokens=options.max_new_tokens)
         if options.warmup:
             for config in configs.values():
-                pipe.generate("Say hello.", GenerationConfig(**{**config.__dict__, "max_new_tokens": 8}))
+                if isinstance(config, _NativeRun):
+                    config.warm_up(pipe.encode("Say hello.", encode_config))
+                else:
+                    pipe.generate("Say hello.", GenerationConfig(**{**config.__dict__, "max_new_tokens": 8}))
         bar = tqdm(total=len(questions) * len(configs), disable=not progress or not configs, desc="bench", unit="gen")
         for i, question in enumerate(questions):
             ids = pipe.encode(question["turns"][0], encode_config)
@@ -197,11 +215,43 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[dict], re
                 continue
             prompt_ids[question["question_id"]] = ids
             for mode in rotated(list(configs), i):
-                outs.setdefault(question["question_id"], {})[mode] = pipe.generate(ids, configs[mode])
+                config = configs[mode]
+                run = config(ids) if isinstance(config, _NativeRun) else pipe.generate(ids, config)
+                outs.setdefault(question["question_id"], {})[mode] = run
                 bar.update(1)
         bar.close()
         manifest = pipe.manifest
     return outs, prompt_ids, manifest
+
+
+class _NativeRun:
+    """One c-* mode: the C++ library's decoder on the same prompt ids, with the same settings and threads."""
+
+    def __init__(self, native, mode: str, settings: dict) -> None:
+        self.native, self.mode, self.settings = native, mode, settings
+
+    def __call__(self, ids: list[int]):
+        from mirrorsd.peers import PeerOutput
+
+        out = self.native.generate(ids, **self.settings)
+        return PeerOutput(out.tokens, {**out.stats, "mode": self.mode})
+
+    def warm_up(self, ids: list[int]) -> None:
+        self.native.generate(ids, **{**self.settings, "max_new_tokens": 8})
+
+
+def _native_model(options: BenchOptions, modes: list[str]):
+    """libmirrorsd on the bench's export folder with our sessions' threads, or nothing when no c-* mode is asked."""
+    import contextlib
+
+    if not modes:
+        return contextlib.nullcontext()
+    from mirrorsd.native import NativeModel, build_library
+
+    threads = own_threads(options)
+    return NativeModel(options.model, options.native_library or build_library(),
+                       target_threads=options.target_threads or threads,
+                       draft_threads=options.draft_threads or threads)
 
 
 def _peer_passes(options: BenchOptions, modes: list[str], questions: list[dict], prompt_ids: dict, manifest,

@@ -57,6 +57,7 @@ def markdown(result: BenchResult, command: str) -> str:
             cells.append(f"{statistics.mean(vals):.2f}" if vals else "-")
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
     lines += _ceiling_lines(result, rows)
+    lines += _native_lines(result)
     if result.skipped:
         lines += ["", f"Skipped (prompt + max_new_tokens over the context): questions {result.skipped}"]
     flagged = [r for r in result.runs if r.parity == "DIFFERENT" and not is_peer_mode(r.mode)]
@@ -89,6 +90,39 @@ def _ceiling_lines(result: BenchResult, rows: list[dict]) -> list[str]:
         else:
             tail = "- | - | -"
         lines.append(f"| {ceiling.threads} | {ceiling.bandwidth_gb_s:.1f} | {ceiling.tokens_per_second:.2f} | {tail} |")
+    return lines
+
+
+def _per_step(runs: list, key: str) -> float:
+    """Milliseconds per target step after the first token, summed over prompts: decode wall time ("decode") or the
+    time outside graph calls ("glue": wall - target busy - draft busy, meaningful for the serial modes only)."""
+    steps = sum(r.stats["steps"] for r in runs)
+    if not steps:
+        return float("nan")
+    if key == "decode":
+        total = sum(r.stats["seconds"] - r.stats["time_to_first_token_s"] for r in runs)
+    else:
+        total = sum(r.stats["seconds"] - r.stats["target_busy_s"] - r.stats["draft_busy_s"] for r in runs)
+    return 1000 * total / steps
+
+
+def _native_lines(result: BenchResult) -> list[str]:
+    """The Python host against the C++ host (libmirrorsd) per decoder: the per-step overhead the C++ loop saves."""
+    modes = {r.mode for r in result.runs}
+    pairs = [(m[2:], m) for m in sorted(modes) if m.startswith("c-") and m[2:] in modes]
+    if not pairs:
+        return []
+    lines = ["", "Python host vs C++ host (libmirrorsd through ctypes), same graphs, threads and prompts. ms/step = "
+                 "decode wall time / target steps; glue = time outside graph calls per step (serial modes):", "",
+             "| decoder | Python ms/step | C++ ms/step | saved ms/step | Python glue ms/step | C++ glue ms/step |",
+             "|---|---|---|---|---|---|"]
+    for py, c in pairs:
+        a = [r for r in result.runs if r.mode == py]
+        b = [r for r in result.runs if r.mode == c]
+        pa, pb = _per_step(a, "decode"), _per_step(b, "decode")
+        serial = not py.startswith("mirror")
+        glue = (f"{_per_step(a, 'glue'):.2f} | {_per_step(b, 'glue'):.2f}" if serial else "- | -")
+        lines.append(f"| {py} | {pa:.2f} | {pb:.2f} | {pa - pb:.2f} | {glue} |")
     return lines
 
 

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--modes", default="ar,sd,mirror",
                        help="comma-separated modes; ar is the speedup baseline. Ours: ar, sd, mirror, mirror-noexit, "
                             "mirror-cap, mirror-wide (6 branches in batches of 3, no exit head), sd-nostream, "
-                            "mirror-nostream. Peers (bash scripts/setup.sh --peers): hf-ar, "
+                            "mirror-nostream. The same decoders in C++ (libmirrorsd, runtime/native): c-ar, c-sd, "
+                            "c-mirror, c-mirror-noexit. Peers (bash scripts/setup.sh --peers): hf-ar, "
                             "hf-assisted (transformers assisted generation), ov-ar, ov-sd (OpenVINO GenAI "
                             "speculative decoding), on the export's source models")
     bench.add_argument("--questions", type=Path, help="SpecBench question.jsonl (default: shared/data/spec_bench)")
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "export's source)")
     bench.add_argument("--peer-draft", type=Path, help="HF folder of the draft for peer modes (default: the export's "
                                                         "source)")
+    bench.add_argument("--native-lib", type=Path,
+                       help="libmirrorsd.so for the c-* modes (default: built with CMake into the mirrorsd cache)")
     bench.add_argument("--output", type=Path, default=Path("bench_out"),
                        help="folder for report.md, answers.jsonl, runs.json, speedup.png")
     quant = sub.add_parser("quantize", help="quantize an fp32 export folder into a new folder (no torch needed)")
@@ -205,7 +208,8 @@ def _bench(args) -> int:
         categories=tuple(c for c in args.categories.split(",") if c), per_category=args.per_category,
         max_new_tokens=args.max_new_tokens, gamma=args.gamma, branches=args.branches, branch_batch=args.branch_batch,
         target_threads=args.threads, draft_threads=args.threads, output=args.output,
-        baseline_threads=args.baseline_threads, peer_target=args.peer_target, peer_draft=args.peer_draft)
+        baseline_threads=args.baseline_threads, peer_target=args.peer_target, peer_draft=args.peer_draft,
+        native_library=args.native_lib)
     result = run_bench(options)
     command = "mirrorsd " + " ".join(sys.argv[1:])
     paths = write_outputs(result, command)

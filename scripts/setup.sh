@@ -13,3 +13,23 @@ if [[ "${1:-}" == "--peers" ]]; then
     EXTRAS="$EXTRAS,peers"  # what `mirrorsd bench --modes ...,hf-assisted,ov-sd` compares against
 fi
 "$PY" -m pip install -q -e ".[$EXTRAS]" "torch==2.13.0" "transformers==4.57.6"
+
+# Native hosts (tests/test_native*.py): CMake and a C++17 compiler build libmirrorsd (runtime/native); Mono's mcs and
+# mono build and run the C# sample (samples/csharp/native). Installed with apt-get where it exists and they are missing.
+NATIVE_PACKAGES=()
+command -v cmake >/dev/null || NATIVE_PACKAGES+=(cmake)
+command -v c++ >/dev/null || command -v g++ >/dev/null || NATIVE_PACKAGES+=(g++)
+command -v mcs >/dev/null || NATIVE_PACKAGES+=(mono-mcs)
+command -v mono >/dev/null || NATIVE_PACKAGES+=(mono-runtime)
+if (( ${#NATIVE_PACKAGES[@]} )); then
+    SUDO=""
+    if [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null; then SUDO="sudo"; fi
+    if command -v apt-get >/dev/null; then
+        echo "setup: installing ${NATIVE_PACKAGES[*]} with apt-get (the C++ library and the C# sample need them)"
+        $SUDO apt-get install -y -q "${NATIVE_PACKAGES[@]}" >/dev/null 2>&1 \
+            || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q "${NATIVE_PACKAGES[@]}" >/dev/null; } \
+            || echo "setup: apt-get could not install ${NATIVE_PACKAGES[*]}; the tests that need them will skip and say so"
+    else
+        echo "setup: no apt-get here: install ${NATIVE_PACKAGES[*]} yourself; the tests that need them will skip and say so"
+    fi
+fi

@@ -63,3 +63,36 @@ def pipelines():
     yield get
     for pipe in loaded.values():
         pipe.close()
+
+
+@pytest.fixture(scope="session")
+def native_build(tmp_path_factory):
+    """libmirrorsd, its unit tests and the C++ sample (samples/cpp includes runtime/native), built once per session
+    with CMake against the vendored ONNX Runtime header and the onnxruntime wheel's library."""
+    import shutil
+    from types import SimpleNamespace
+
+    if shutil.which("cmake") is None or (shutil.which("c++") or shutil.which("g++")) is None:
+        pytest.skip("no C++ compiler: cmake and a C++17 compiler are needed to build libmirrorsd (runtime/native)")
+    from mirrorsd.native import LIBRARY_NAME, cmake_build
+
+    out = cmake_build(Path(__file__).resolve().parent.parent / "samples" / "cpp", tmp_path_factory.mktemp("native"))
+    return SimpleNamespace(folder=out, library=out / "mirrorsd" / LIBRARY_NAME, cli=out / "mirrorsd_cli",
+                           unit_tests=out / "mirrorsd" / "mirrorsd_unit_tests")
+
+
+@pytest.fixture(scope="session")
+def native_models(native_build):
+    """native_models(folder) -> a NativeModel (libmirrorsd) on that export folder, shared and closed at the end."""
+    from mirrorsd.native import NativeModel
+
+    opened: dict = {}
+
+    def get(folder: Path):
+        if folder not in opened:
+            opened[folder] = NativeModel(folder, native_build.library)
+        return opened[folder]
+
+    yield get
+    for model in opened.values():
+        model.close()

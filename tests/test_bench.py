@@ -91,3 +91,20 @@ def test_bench_runs_openvino_genai_peers(tmp_path, exported, tiny_model, monkeyp
     assert len(runs["ov-ar"].tokens) > 0 and len(runs["ov-sd"].tokens) > 0
     assert runs["ov-ar"].parity in ("identical", "near-tie", "DIFFERENT")  # reported, not required: a finding
     assert "ov-sd = ov-ar (its own target-only output) on" in markdown(result, "cmd")
+
+
+def test_bench_runs_the_native_host_beside_python(tmp_path, exported, native_build):
+    """c-* modes: libmirrorsd's decoders on the same prompt ids, rotated with the Python modes; parity against ar and
+    the Python-vs-C++ per-step table in the report."""
+    options = BenchOptions(model=exported("llama", draft_layers=3), modes=("ar", "sd", "c-ar", "c-sd", "c-mirror"),
+                           questions=questions(tmp_path), categories=("coding",), per_category=1, max_new_tokens=12,
+                           output=tmp_path / "out", warmup=True, bandwidth=False,
+                           native_library=native_build.library)
+    result = run_bench(options, progress=False)
+    native = {r.mode: r for r in result.runs if r.mode.startswith("c-")}
+    assert sorted(native) == ["c-ar", "c-mirror", "c-sd"]
+    assert all(r.parity == "identical" and r.stats["placement"]["host"] == "libmirrorsd (C++)"
+               for r in native.values())
+    assert native["c-sd"].stats["steps"] == next(r for r in result.runs if r.mode == "sd").stats["steps"]
+    section = markdown(result, "cmd").split("Python host vs C++ host")[1]
+    assert "| ar |" in section and "| sd |" in section and "| mirror |" not in section  # no Python mirror here

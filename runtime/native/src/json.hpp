@@ -1,5 +1,5 @@
 // A small JSON reader, enough for mirrorsd.json: objects, arrays, strings (with \uXXXX escapes), numbers, true,
-// false, null. Written for this sample; no third-party code. Throws std::runtime_error with a byte offset.
+// false, null. Written for mirrorsd; no third-party code. Throws std::runtime_error with a byte offset.
 #pragma once
 
 #include <cctype>

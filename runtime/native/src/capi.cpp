@@ -1,0 +1,215 @@
+// The C ABI of mirrorsd.h: argument checks, error codes and per-thread error text around the C++ engine. No C++
+// exception ever crosses this boundary.
+#include <cmath>
+#include <cstring>
+#include <new>
+#include <string>
+#include <thread>
+
+#include "engine.hpp"
+#include "errors.hpp"
+#include "mirrorsd.h"
+#include "stats.hpp"
+
+struct mirrorsd_model {
+  explicit mirrorsd_model(std::unique_ptr<mirrorsd::Engine> e) : engine(std::move(e)) {}
+  std::unique_ptr<mirrorsd::Engine> engine;
+};
+
+namespace {
+
+using mirrorsd::Code;
+using mirrorsd::Error;
+
+thread_local std::string last_error;
+
+template <typename F>
+mirrorsd_status guarded(F body) {
+  last_error.clear();
+  try {
+    body();
+    return MIRRORSD_OK;
+  } catch (const Error& e) {
+    last_error = e.what();
+    return static_cast<mirrorsd_status>(e.code());
+  } catch (const std::bad_alloc&) {
+    last_error = "Out of memory. Why: a buffer could not be allocated. Fix: free memory or use a smaller model.";
+  } catch (const std::exception& e) {
+    last_error = std::string("Internal error: ") + e.what() + ". Fix: please report it.";
+  } catch (...) {
+    last_error = "Internal error of an unknown kind. Fix: please report it.";
+  }
+  return MIRRORSD_ERROR_INTERNAL;
+}
+
+[[noreturn]] void invalid(const std::string& what, const std::string& why, const std::string& fix) {
+  throw Error(Code::InvalidArgument, what, why, fix);
+}
+
+void check_size(uint32_t given, size_t expected, const char* type) {
+  if (given != expected)
+    invalid(std::string(type) + ".struct_size is " + std::to_string(given) + ", this library expects " +
+                std::to_string(expected),
+            "the caller was built against another mirrorsd.h (or did not set struct_size)",
+            std::string("initialize it with its _init function or set sizeof(") + type + ")");
+}
+
+int threads_or_default(int32_t threads, const char* name) {
+  if (threads < 0) invalid(std::string(name) + " is negative", "it counts threads", "pass 0 (cores / 2) or more");
+  if (threads > 0) return threads;
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency() / 2));  // as default_threads(2)
+}
+
+mirrorsd::GenerationConfig engine_config(const mirrorsd_generate_config* c) {
+  if (c == nullptr) invalid("config is NULL", "generation needs a configuration", "pass mirrorsd_generate_config");
+  check_size(c->struct_size, sizeof(mirrorsd_generate_config), "mirrorsd_generate_config");
+  if (c->mode < MIRRORSD_MODE_AR || c->mode > MIRRORSD_MODE_MIRROR)
+    invalid("Unknown mode " + std::to_string(c->mode), "modes are 0 (ar), 1 (sd), 2 (mirror)", "pick one");
+  const std::pair<const char*, int32_t> counts[] = {{"max_new_tokens", c->max_new_tokens}, {"gamma", c->gamma},
+                                                    {"branches", c->branches}, {"branch_batch", c->branch_batch},
+                                                    {"runner_up_k", c->runner_up_k}};
+  for (const auto& [name, value] : counts)
+    if (value < 1)
+      invalid(std::string(name) + " must be a positive integer, got " + std::to_string(value),
+              "it counts tokens or branches", std::string("pass ") + name + " >= 1");
+  if (c->branch_budget != MIRRORSD_BUDGET_TIME && c->branch_budget != MIRRORSD_BUDGET_CAP)
+    invalid("Unknown branch_budget " + std::to_string(c->branch_budget), "it is 0 (time) or 1 (cap)", "pick one");
+  if (!(c->draft_timeout_s > 0) || !std::isfinite(c->draft_timeout_s))  // NaN fails too
+    invalid("draft_timeout_s must be a positive number of seconds", "it bounds each wait for the draft worker",
+            "pass a value such as 120");
+  mirrorsd::GenerationConfig out;
+  out.mode = static_cast<mirrorsd::Mode>(c->mode);
+  out.max_new_tokens = c->max_new_tokens;
+  out.gamma = c->gamma;
+  out.fallback_on_draft_failure = c->fallback_on_draft_failure != 0;
+  out.mirror = mirrorsd::MirrorSettings{c->branches, c->branch_batch, c->runner_up_k, c->draft_timeout_s,
+                                        c->branch_budget == MIRRORSD_BUDGET_CAP, c->exit_head != 0};
+  return out;
+}
+
+void fill_stats(mirrorsd_stats* s, int32_t mode, int64_t prompt_tokens, const mirrorsd::Generation& g) {
+  const mirrorsd::DecodeOutcome& o = g.outcome;
+  const mirrorsd::StepCounters& c = o.counters;
+  const int64_t new_tokens = static_cast<int64_t>(o.tokens.size());
+  const double decode_time = std::max(o.seconds - o.time_to_first_token_s, 1e-9);
+  double target_busy = 0, draft_busy = 0;
+  for (const auto& [a, b] : g.target_busy) target_busy += b - a;
+  for (const auto& [a, b] : g.draft_busy) draft_busy += b - a;
+  const double hidden = mirrorsd::overlap_seconds(g.draft_busy, g.target_busy);
+  *s = mirrorsd_stats{};
+  s->struct_size = sizeof(mirrorsd_stats);
+  s->mode = mode;
+  s->finish_reason = static_cast<int32_t>(o.finish);
+  s->prompt_tokens = prompt_tokens;
+  s->new_tokens = new_tokens;
+  s->steps = c.steps, s->drafted = c.drafted, s->accepted = c.accepted, s->windows = c.windows;
+  s->reused = c.reused, s->fallbacks = c.fallbacks, s->draft_forwards = c.draft_forwards;
+  s->branches_rolled_out = g.branches_rolled_out, s->draft_failures = c.draft_failures;
+  s->seconds = o.seconds, s->time_to_first_token_s = o.time_to_first_token_s;
+  s->tokens_per_second = new_tokens / std::max(o.seconds, 1e-9);
+  s->decode_tokens_per_second = std::max<int64_t>(new_tokens - 1, 0) / decode_time;
+  s->mean_accepted_tokens = c.steps ? double(c.accepted + c.steps) / c.steps : 1.0;
+  s->acceptance_rate = c.drafted ? double(c.accepted) / c.drafted : 0.0;
+  s->reuse_rate = c.windows ? double(c.reused) / c.windows : 0.0;
+  s->target_busy_s = target_busy, s->draft_busy_s = draft_busy, s->draft_hidden_s = hidden;
+  s->overlap_ratio = draft_busy > 0 ? hidden / draft_busy : 0.0;
+}
+
+void copy_text(char* dst, size_t size, const std::string& src) {
+  std::strncpy(dst, src.c_str(), size - 1);
+  dst[size - 1] = '\0';
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* mirrorsd_version(void) { return "mirrorsd 0.1.0 (C ABI 1)"; }
+
+const char* mirrorsd_last_error(void) { return last_error.c_str(); }
+
+void mirrorsd_open_options_init(mirrorsd_open_options* options) {
+  if (options == nullptr) return;
+  *options = mirrorsd_open_options{};
+  options->struct_size = sizeof(mirrorsd_open_options);
+}
+
+void mirrorsd_generate_config_init(mirrorsd_generate_config* config) {
+  if (config == nullptr) return;
+  *config = mirrorsd_generate_config{};
+  config->struct_size = sizeof(mirrorsd_generate_config);
+  config->mode = MIRRORSD_MODE_MIRROR;  // the defaults of GenerationConfig in runtime/pipeline.py
+  config->max_new_tokens = 128;
+  config->gamma = 4;
+  config->branches = 4;
+  config->branch_batch = 2;
+  config->runner_up_k = 4;
+  config->branch_budget = MIRRORSD_BUDGET_TIME;
+  config->exit_head = 1;
+  config->draft_timeout_s = 120.0;
+}
+
+mirrorsd_status mirrorsd_open(const char* folder, const mirrorsd_open_options* options, mirrorsd_model** model) {
+  return guarded([&] {
+    if (model == nullptr) invalid("model is NULL", "the opened model is returned through it", "pass &model");
+    *model = nullptr;
+    if (folder == nullptr || *folder == '\0')
+      invalid("folder is NULL or empty", "it names the export folder", "pass the --output folder of mirrorsd-export");
+    mirrorsd_open_options defaults;
+    mirrorsd_open_options_init(&defaults);
+    const mirrorsd_open_options& o = options ? *options : defaults;
+    check_size(o.struct_size, sizeof(mirrorsd_open_options), "mirrorsd_open_options");
+    const std::string library = o.openvino_ep_library ? o.openvino_ep_library : "";
+    const mirrorsd::DeviceRequest target{o.target_device ? o.target_device : "auto",
+                                         threads_or_default(o.target_threads, "target_threads"), library};
+    const mirrorsd::DeviceRequest draft{o.draft_device ? o.draft_device : "auto",
+                                        threads_or_default(o.draft_threads, "draft_threads"), library};
+    *model = new mirrorsd_model(std::make_unique<mirrorsd::Engine>(folder, target, draft));
+  });
+}
+
+mirrorsd_status mirrorsd_model_get_info(const mirrorsd_model* model, mirrorsd_model_info* info) {
+  return guarded([&] {
+    if (model == nullptr || info == nullptr) invalid("model or info is NULL", "both are needed", "pass them");
+    check_size(info->struct_size, sizeof(mirrorsd_model_info), "mirrorsd_model_info");
+    const mirrorsd::Manifest& m = model->engine->manifest();
+    *info = mirrorsd_model_info{};
+    info->struct_size = sizeof(mirrorsd_model_info);
+    info->eos_count = static_cast<int32_t>(std::min<size_t>(m.eos_token_ids.size(), MIRRORSD_MAX_EOS));
+    for (int32_t i = 0; i < info->eos_count; ++i) info->eos_token_ids[i] = m.eos_token_ids[i];
+    info->vocab_size = m.target.vocab_size;
+    info->context_limit = m.context_limit();
+    info->target_layers = m.target.num_layers;
+    info->exit_layer = m.exit_layer;
+    info->draft_layers = m.draft.num_layers;
+    info->top_k = m.top_k;
+    copy_text(info->target_provider, sizeof info->target_provider, model->engine->target_provider());
+    copy_text(info->draft_provider, sizeof info->draft_provider, model->engine->draft_provider());
+  });
+}
+
+mirrorsd_status mirrorsd_generate(mirrorsd_model* model, const int64_t* prompt, int32_t prompt_length,
+                                  const mirrorsd_generate_config* config, mirrorsd_token_callback on_token,
+                                  void* user_data, mirrorsd_stats* stats) {
+  return guarded([&] {
+    if (model == nullptr) invalid("model is NULL", "generation needs an opened model", "call mirrorsd_open first");
+    if (prompt == nullptr && prompt_length != 0)
+      invalid("prompt is NULL", "it holds the prompt's token ids", "pass an array of prompt_length ids");
+    if (prompt_length < 0) invalid("prompt_length is negative", "it counts the prompt's ids", "pass the count");
+    const mirrorsd::GenerationConfig engine = engine_config(config);
+    if (on_token == nullptr)
+      invalid("on_token is NULL", "tokens are delivered only through the callback", "pass a callback");
+    if (stats != nullptr) check_size(stats->struct_size, sizeof(mirrorsd_stats), "mirrorsd_stats");
+    const std::vector<int64_t> ids(prompt, prompt + prompt_length);
+    const mirrorsd::Emit emit = [&](int64_t token) { return on_token(token, user_data) == 0; };
+    const mirrorsd::Generation result = model->engine->generate(ids, engine, emit);
+    if (stats != nullptr) fill_stats(stats, config->mode, prompt_length, result);
+  });
+}
+
+void mirrorsd_close(mirrorsd_model* model) {
+  last_error.clear();
+  delete model;
+}
+
+}  // extern "C"
