@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from mirrorsd.errors import MirrorSDError
+from mirrorsd.export.quantize import PRECISIONS
 
 DESCRIPTION = """\
 Split a Hugging Face causal LM into the ONNX graphs Mirror-SD runs:
@@ -16,12 +17,15 @@ Split a Hugging Face causal LM into the ONNX graphs Mirror-SD runs:
   draft.onnx      the draft model                  -> logits
   draft_streaming.onnx  only when --draft is a mirrorsd-train-draft folder: the draft + n lookahead streams
   draft_static.onnx  (with --static-draft) the draft with fixed shapes, for NPUs
-plus mirrorsd.json (the manifest) and the tokenizer. Every graph is checked against PyTorch before the folder
-is published; on any error no output folder is left behind.
+plus mirrorsd.json (the manifest) and the tokenizer. Graphs are written a layer at a time straight from the
+checkpoint (safetensors or GGUF, any float dtype), so memory stays near one graph's weights, not the model's.
+Every graph is checked against PyTorch before the folder is published; on any error no output folder is left
+behind (with --resume, the finished graphs are kept for the next --resume run instead).
 
 examples:
   mirrorsd-export --model ./SmolLM2-135M-Instruct.Q4_1.gguf --output exports/smollm2 --draft-layers 8
   mirrorsd-export --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --output exports/qwen
+  mirrorsd-export --model ./Qwen2.5-7B --draft-layers 4 --precision int4 --output exports/q7 --resume
 """
 
 
@@ -50,15 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
     npu.add_argument("--max-context", type=int, metavar="N",
                      help="KV slots of the static draft: prompt + new tokens + two draft windows must fit "
                           "(default: min(1024, the draft's max positions))")
-    prec = parser.add_argument_group("precision (weight-only quantization after fp32 validation)")
-    prec.add_argument("--precision", choices=("fp32", "int8", "int4"),
-                      help="for target and draft alike (default fp32)")
-    prec.add_argument("--target-precision", choices=("fp32", "int8", "int4"), help="overrides --precision")
-    prec.add_argument("--draft-precision", choices=("fp32", "int8", "int4"),
+    prec = parser.add_argument_group("precision (weight-only quantization; each layer is checked in fp32 first)")
+    prec.add_argument("--precision", choices=PRECISIONS,
+                      help="for target and draft alike (default fp32, the CPU choice; fp16 is for GPU targets)")
+    prec.add_argument("--target-precision", choices=PRECISIONS, help="overrides --precision")
+    prec.add_argument("--draft-precision", choices=PRECISIONS,
                       help="overrides --precision; an int4 draft beside an fp32/int8 target is the cheap-draft lever")
     out = parser.add_argument_group("output")
     out.add_argument("--output", "-o", required=True, type=Path, help="folder to write (must be empty or absent)")
     out.add_argument("--force", action="store_true", help="replace a non-empty output folder (only after success)")
+    out.add_argument("--resume", action="store_true",
+                     help="keep the finished graphs in the hidden folder .NAME.partial beside the output if the run "
+                          "stops (Ctrl-C, a crash), and continue from there when run again with --resume and the "
+                          "same options; the folder still appears only when complete")
+    out.add_argument("--whole-graphs", action="store_true",
+                     help="trace each graph whole with all its weights in memory (about 3x the model's fp32 size), "
+                          "as before layer streaming: a fallback for architectures whose layers cannot be streamed")
     return parser
 
 
@@ -71,20 +82,19 @@ def main(argv: list[str] | None = None) -> int:
                             trust_remote_code=args.trust_remote_code,
                             target_precision=args.target_precision or args.precision or "fp32",
                             draft_precision=args.draft_precision or args.precision or "fp32", static_draft=args.static_draft,
-                            max_context=args.max_context)
-    started = time.perf_counter()
-
-    def progress(step: str) -> None:
-        print(f"[{time.perf_counter() - started:7.1f}s] {step} ...", file=sys.stderr, flush=True)
-
+                            max_context=args.max_context, resume=args.resume, whole_graphs=args.whole_graphs)
+    bar = LayerBar()
     try:
-        result = export(options, progress)
+        result = export(options, bar.step, bar.layer)
     except MirrorSDError as exc:
+        bar.close()
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("interrupted: nothing was written", file=sys.stderr)
+        bar.close()
+        print(_interrupted(options), file=sys.stderr)
         return 130
+    bar.close()
     m = result.manifest
     print(f"exported to {result.folder} in {result.seconds:.1f} s: target {m.target.model_type} "
           f"{m.target.num_layers} layers (exit at {m.exit_layer}), draft {m.draft.num_layers} layers, top-k {m.top_k}")
@@ -92,6 +102,42 @@ def main(argv: list[str] | None = None) -> int:
         checks = ", ".join(f"{k} {v:.2e}" for k, v in spec.validation.items())
         print(f"  {spec.file:18s} layers {spec.layer_range[0]:>2}..{spec.layer_range[1]:<2} max|diff| vs torch: {checks}")
     return 0
+
+
+class LayerBar:
+    """Step lines with the elapsed time, and one progress bar per graph (layers written, rate, ETA) on stderr."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.bar = None
+
+    def step(self, text: str) -> None:
+        self.close()
+        print(f"[{time.perf_counter() - self.started:7.1f}s] {text} ...", file=sys.stderr, flush=True)
+
+    def layer(self, role: str, done: int, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=f"  {role}", unit="piece", file=sys.stderr, leave=False)
+        self.bar.update(done - self.bar.n)
+        if done == total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _interrupted(options) -> str:
+    if options.resume:
+        from mirrorsd.export.publish import resumable_scratch
+
+        kept = resumable_scratch(Path(options.output).expanduser().resolve())
+        return (f"interrupted: the finished graphs are kept in {kept}; run the same command again to continue "
+                "(or delete that folder)")
+    return "interrupted: nothing was written"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Load a causal LM for export from a Hugging Face folder (safetensors only) or a GGUF file.
+"""Open a causal LM for export from a Hugging Face folder (safetensors only) or a GGUF file.
 
 No pickle: ``.bin`` / ``.pt`` weights are refused. Models that need ``trust_remote_code`` are refused unless the
-user asks for it. Everything is loaded in float32 with eager attention (the exporter traces it).
+user asks for it. ``open_model`` leaves the weights on disk (the exporter reads them a layer at a time, see
+lazy_model.py); ``load_model`` loads everything in float32 (the draft trainer). Both use eager attention.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class ModelSource:
     info: ModelInfo
     tokenizer: Any
     path: Path
+    weights: Any = None  # LazyWeights when opened lazily: ``model`` then holds meta parameters
 
     def truncated(self, num_layers: int) -> "ModelSource":
         """The same weights seen as a draft made of the first ``num_layers`` layers + final norm + LM head."""
@@ -36,29 +38,69 @@ class ModelSource:
 
 
 def load_model(path: str | Path, trust_remote_code: bool = False) -> ModelSource:
+    """Everything in memory, float32: for training; the exporter uses ``open_model``."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    path = resolve_model_argument(path)
-    folder, gguf_file = _locate(path)
+    path, folder, gguf_file, config, arch = _open_config(path, trust_remote_code)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    config = _read_config(AutoConfig, folder, kwargs, trust_remote_code, path)
-    arch = architecture_for(getattr(config, "model_type", None))
     try:
         model = AutoModelForCausalLM.from_pretrained(
             folder, config=config, dtype=torch.float32, attn_implementation="eager",
             low_cpu_mem_usage=True, use_safetensors=None if gguf_file else True,
             trust_remote_code=trust_remote_code, **kwargs)
+    except Exception as exc:  # transformers/tokenizers/safetensors raise many types, some plain Exception
+        raise _load_error(path, exc) from exc
+    tokenizer = _load_tokenizer(path, folder, gguf_file, trust_remote_code)
+    model.eval()
+    return ModelSource(model, arch, model_info(config, arch, str(path)), tokenizer, path)
+
+
+def open_model(path: str | Path, trust_remote_code: bool = False) -> ModelSource:
+    """Config, tokenizer and a meta skeleton; every header checked, no weight read yet (see lazy_model.py)."""
+    from mirrorsd.export.checkpoint import open_gguf, open_safetensors
+    from mirrorsd.export.lazy_model import LazyWeights, skeleton
+
+    path, folder, gguf_file, config, arch = _open_config(path, trust_remote_code)
+    tokenizer = _load_tokenizer(path, folder, gguf_file, trust_remote_code)
+    try:
+        model = skeleton(config, folder, trust_remote_code)
+    except Exception as exc:  # a remote-code model class may raise anything
+        raise _load_error(path, exc) from exc
+    reader = open_gguf(folder / gguf_file, model) if gguf_file else open_safetensors(folder)
+    weights = LazyWeights(model, reader)
+    weights.attach(arch, int(config.num_hidden_layers))
+    return ModelSource(model, arch, model_info(config, arch, str(path)), tokenizer, path, weights)
+
+
+def _open_config(path: str | Path, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    path = resolve_model_argument(path)
+    folder, gguf_file = _locate(path)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    config = _read_config(AutoConfig, folder, kwargs, trust_remote_code, path)
+    return path, folder, gguf_file, config, architecture_for(getattr(config, "model_type", None))
+
+
+def _load_tokenizer(path: Path, folder: Path, gguf_file: str | None, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
         if gguf_file:
             from mirrorsd.export.convert import repair_gguf_tokenizer
 
             repair_gguf_tokenizer(tokenizer, folder / gguf_file)
-    except Exception as exc:  # transformers/tokenizers/safetensors raise many types, some plain Exception
-        raise ModelSourceError(f"Could not load the weights or tokenizer of '{path}'", _short(exc),
-                               "check that the download is complete (sizes, no truncated files)") from exc
-    model.eval()
-    return ModelSource(model, arch, model_info(config, arch, str(path)), tokenizer, path)
+    except Exception as exc:  # tokenizers raise many types, some plain Exception
+        raise _load_error(path, exc) from exc
+    return tokenizer
+
+
+def _load_error(path: Path, exc: BaseException) -> ModelSourceError:
+    return ModelSourceError(f"Could not load the weights or tokenizer of '{path}'", _short(exc),
+                            "check that the download is complete (sizes, no truncated files)")
 
 
 def model_info(config: Any, arch: Architecture, source: str) -> ModelInfo:

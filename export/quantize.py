@@ -1,8 +1,11 @@
-"""Weight-only quantization of exported graphs (after they validated in fp32).
+"""Weight-only quantization of exported graphs: the settings and the one step that applies them.
 
-    fp32   as traced
+    fp32   as traced (the CPU default)
+    fp16   traced in half precision, float32 at the graph's inputs and outputs (GPU targets; not a CPU speed-up)
     int8   ONNX Runtime MatMulNBits: 8-bit weights in blocks of 32, symmetric
     int4   ONNX Runtime MatMulNBits: 4-bit weights in blocks of 32, symmetric
+A layer-streamed export quantizes each layer as it is written (assembly.py), ``mirrorsd quantize`` a finished fp32
+folder (requantize.py); both call ``quantize_model`` with these settings, and give the same bits.
 Activations: the *target* computes in fp32 (accuracy level 1), the draft in int8 (accuracy level 4, faster).
 Measured on the Qwen pair: with int8 activations the target's one-row kernel and its window kernel disagree beyond
 float noise, and sd/mirror differed from ar on 2 of 12 prompts (docs/performance.md). A draft's numerics never
@@ -25,20 +28,35 @@ from pathlib import Path
 
 from mirrorsd.errors import ExportOptionError
 
-PRECISIONS = ("fp32", "int8", "int4")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")  # fp16: weights and compute in half precision (GPU targets)
+QUANTIZED = ("int8", "int4")  # what quantize_model does; fp16 graphs are traced in fp16 (templates.py)
 BITS = {"int8": 8, "int4": 4}
 BLOCK = 32  # quantization block along K: ENVIRONMENT.md measured int4 block 32 as accurate and fast here
 PROTOBUF_LIMIT = 2 * 1024**3 - 64 * 1024**2
 
 
-def check_precision(value: str, flag: str) -> str:
-    if value not in PRECISIONS:
-        raise ExportOptionError(f"{flag} {value!r} is not a precision", f"choose one of {', '.join(PRECISIONS)}",
+def check_precision(value: str, flag: str, allowed: tuple[str, ...] = PRECISIONS) -> str:
+    if value not in allowed:
+        raise ExportOptionError(f"{flag} {value!r} is not a precision here", f"choose one of {', '.join(allowed)}",
                                 f"for example {flag} int8")
     return value
 
 
 ACCURACY_LEVEL = {"target": 1, "draft": 4}  # MatMulNBits: 1 = fp32 activations, 4 = int8 activations
+
+
+def quantize_model(model, precision: str, kind: str = "target"):
+    """The one quantization step, for whole graphs and for the pieces of a layer-streamed export alike: every
+    MatMul whose weight is an initializer becomes MatMulNBits. Each MatMul's result depends on its weight and the
+    settings above only, so quantizing a graph piece by piece equals quantizing it whole."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    fold_weight_identities(model.graph)
+    quantizer = MatMulNBitsQuantizer(model, bits=BITS[precision], block_size=BLOCK, is_symmetric=True,
+                                    accuracy_level=ACCURACY_LEVEL[kind])
+    quantizer.process()
+    return quantizer.model.model
 
 
 def quantize_graph(path: Path, precision: str, source: Path | None = None, model: str = "target") -> None:
@@ -48,25 +66,18 @@ def quantize_graph(path: Path, precision: str, source: Path | None = None, model
     """
     if precision == "fp32":
         return
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".quant-{path.stem}-") as scratch:
-        _nbits(source or path, Path(scratch) / path.name, BITS[precision], ACCURACY_LEVEL[model])
+        _nbits(source or path, Path(scratch) / path.name, precision, model)
         for old in (path, path.with_name(path.name + ".data")):
             old.unlink(missing_ok=True)
         for new in Path(scratch).iterdir():
             shutil.move(str(new), str(path.parent / new.name))
 
 
-def _nbits(src: Path, dst: Path, bits: int, accuracy_level: int) -> None:
+def _nbits(src: Path, dst: Path, precision: str, kind: str) -> None:
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    model = onnx.load(str(src), load_external_data=True)
-    fold_weight_identities(model.graph)
-    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=True,
-                                    accuracy_level=accuracy_level)
-    quantizer.process()
-    result = quantizer.model.model
+    result = quantize_model(onnx.load(str(src), load_external_data=True), precision, kind)
     large = result.ByteSize() >= PROTOBUF_LIMIT
     onnx.save_model(result, str(dst), save_as_external_data=large, all_tensors_to_one_file=True,
                     location=dst.name + ".data" if large else None, size_threshold=1024)

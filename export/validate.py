@@ -1,15 +1,18 @@
 """Check every exported graph against PyTorch before the folder is published.
 
-Checks (batch of 2, the second row left-padded):
-    split      prefix -> suffix logits over a whole sequence  vs  the PyTorch model's logits
-    exit_head  top-k log-probs of the exit head               vs  PyTorch norm + LM head on h(L)
-    cached     prefix/suffix run in two chunks with KV        vs  PyTorch logits of the same positions
-    draft      draft logits, whole and in two chunks          vs  the PyTorch draft
-Tolerance per check: |onnx - torch| <= atol + rtol * max|torch| (fp32 graphs; the table is in TOLERANCES).
+Each graph module says what it checks and with which tolerance (graphs/base.py); this module gives them the
+means: a validation batch (2 rows, the second left-padded), runs of a graph on it, the PyTorch reference, and the
+comparison |onnx - torch| <= atol + rtol * max|torch| over the valid positions.
+
+A graph runs from its file (FileRunner) or, when the file holds quantized weights and the fp32 graph never existed,
+piece by piece in fp32 (ChainRunner: each layer's piece built again from the checkpoint, one at a time). Either way
+a run is the same: graph inputs in, graph outputs out, the past KV empty or another run's presents.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,19 +20,8 @@ import torch
 from mirrorsd import names
 from mirrorsd.errors import ValidationError
 
-TOLERANCES = {  # check -> (atol, rtol); fp32 ONNX vs fp32 PyTorch differ only by kernel summation order
-    "split_hidden": (1e-4, 1e-4),
-    "split_logits": (1e-4, 1e-4),
-    "exit_topk_logprobs": (1e-4, 1e-4),
-    "cached_logits": (1e-4, 1e-4),
-    "draft_logits": (1e-4, 1e-4),
-    "draft_cached_logits": (1e-4, 1e-4),
-    "draft_static_logits": (1e-4, 1e-4),  # the static draft fed one token at a time through its fixed buffer
-    "draft_streaming_logits": (1e-4, 1e-4),  # streaming draft, main stream vs the plain PyTorch draft
-    "draft_streaming_cached_logits": (1e-4, 1e-4),
-    "draft_streaming_stream_logits": (1e-4, 1e-4),  # streams vs the training path of the same module
-}
 SEQ_LEN, SPLIT_AT, PAD = 9, 5, 2
+SEEDS = {"target": 0, "draft": 1}  # the validation batch of each model (the quantization effect uses it too)
 
 
 @dataclass(frozen=True)
@@ -52,34 +44,96 @@ def sample_batch(vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.
     return ids, mask, positions
 
 
-def compare(name: str, got: np.ndarray, want: np.ndarray, valid: np.ndarray) -> Check:
+def compare(name: str, got: np.ndarray, want: np.ndarray, valid: np.ndarray, tolerance: tuple[float, float]) -> Check:
     """Max abs difference over valid (non-padding) positions; ``valid`` is [B, S] of 0/1."""
-    atol, rtol = TOLERANCES[name]
+    atol, rtol = tolerance
     sel = valid.astype(bool)
     diff = float(np.max(np.abs(got[sel] - want[sel]))) if sel.any() else 0.0
     return Check(name, diff, atol + rtol * float(np.max(np.abs(want[sel]))))
 
 
-class GraphRunner:
-    """Runs one exported ONNX graph with its KV inputs (empty past by default)."""
+@dataclass(frozen=True)
+class Run:
+    """One call of a graph: its inputs by name; past KV empty, or the presents of the earlier run ``past_from``."""
 
-    def __init__(self, path, kv_layers: range, kv_heads: int, head_dim: int) -> None:
-        import onnxruntime as ort
+    name: str
+    feeds: dict[str, np.ndarray]
+    past_from: str | None = None
 
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        self.kv_layers, self.kv_heads, self.head_dim = kv_layers, kv_heads, head_dim
 
-    def run(self, first, mask, positions, past=None):
-        feeds = {self.session.get_inputs()[0].name: first, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
-        batch = first.shape[0]
-        for j, layer in enumerate(self.kv_layers):
-            for k, template in enumerate((names.PAST_KEY, names.PAST_VALUE)):
-                empty = np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32)
-                feeds[template % layer] = past[2 * j + k] if past is not None else empty
-        out = self.session.run(None, feeds)
-        return out[0], out[1:]
+def chunked(first_name: str, firsts: tuple, mask: np.ndarray, positions: np.ndarray) -> list[Run]:
+    """Runs "full" (the whole batch), "a" (the first SPLIT_AT steps) and "b" (the rest, on a's KV).
+
+    ``firsts`` = the first input for full, a and b (ids, or the hidden states a prefix returned for each)."""
+    a, b = slice(0, SPLIT_AT), slice(SPLIT_AT, SEQ_LEN)
+    step = lambda first, m, p: {first_name: first, names.ATTENTION_MASK: m, names.POSITION_IDS: p}  # noqa: E731
+    return [Run("full", step(firsts[0], mask, positions)), Run("a", step(firsts[1], mask[:, a], positions[:, a])),
+            Run("b", step(firsts[2], mask, positions[:, b]), past_from="a")]
+
+
+def _past(name: str, kv, run: Run, done: dict, batch: int) -> np.ndarray | None:
+    """The past KV input ``name`` of ``run``: the matching present of run ``past_from``, or an empty one."""
+    for i in kv.layer_indices() if kv is not None else ():
+        for past, present in ((kv.past_key, kv.present_key), (kv.past_value, kv.present_value)):
+            if name == past % i:
+                if run.past_from is not None:
+                    return done[run.past_from][present % i]
+                return np.zeros((batch, kv.num_kv_heads, 0, kv.head_dim), np.float32)
+    return None
+
+
+def _session(model, external: dict | None = None):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if external:
+        opts.add_external_initializers(list(external), [ort.OrtValue.ortvalue_from_numpy(a) for a in external.values()])
+    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
+class FileRunner:
+    """A graph file in ONNX Runtime (CPU)."""
+
+    def __init__(self, path: Path, kv) -> None:
+        self.session, self.kv = _session(str(path)), kv
+
+    def run(self, runs: list[Run]) -> dict[str, dict[str, np.ndarray]]:
+        done: dict[str, dict[str, np.ndarray]] = {}
+        outputs = [o.name for o in self.session.get_outputs()]
+        for run in runs:
+            batch = next(iter(run.feeds.values())).shape[0]
+            feeds = {i.name: run.feeds[i.name] if i.name in run.feeds else _past(i.name, self.kv, run, done, batch)
+                     for i in self.session.get_inputs()}
+            done[run.name] = dict(zip(outputs, self.session.run(None, feeds)))
+        return done
+
+
+class ChainRunner:
+    """A Stack graph in fp32, one piece at a time: each piece is built from the checkpoint, run for every run
+    in order, and dropped. It computes what the fp32 file would, without that file ever existing."""
+
+    def __init__(self, stack, pieces: dict, source) -> None:
+        self.stack, self.pieces, self.source = stack, pieces, source
+
+    def run(self, runs: list[Run]) -> dict[str, dict[str, np.ndarray]]:
+        from mirrorsd.export.assembly import instances, piece_model
+
+        env = {run.name: dict(run.feeds) for run in runs}
+        kv = self.stack.io.kv
+        for instance in instances(self.stack, self.pieces, self.source.arch):
+            piece = instance.piece
+            model, weights = piece_model(instance, self.source, piece.opset_import, piece.ir_version, False)
+            session = _session(model.SerializeToString(), weights)
+            outputs = [o.name for o in session.get_outputs()]
+            for run in runs:
+                batch = next(iter(run.feeds.values())).shape[0]
+                feeds = {i.name: env[run.name][i.name] if i.name in env[run.name]
+                         else _past(i.name, kv, run, env, batch) for i in session.get_inputs()}
+                env[run.name].update(zip(outputs, session.run(None, feeds)))
+            del session, model, weights
+        wanted = [t.name for t in self.stack.io.outputs]
+        return {run.name: {name: env[run.name][name] for name in wanted} for run in runs}
 
 
 def torch_reference(source, ids, mask, positions, num_layers: int, exit_layer: int | None):
@@ -96,49 +150,26 @@ def torch_reference(source, ids, mask, positions, num_layers: int, exit_layer: i
     return logits, exit_hidden
 
 
-def validate_target(folder, source, exit_layer: int, top_k: int) -> list[Check]:
-    info = source.info
-    prefix = GraphRunner(folder / "prefix.onnx", range(0, exit_layer), info.num_kv_heads, info.head_dim)
-    suffix = GraphRunner(folder / "suffix.onnx", range(exit_layer, info.num_layers), info.num_kv_heads, info.head_dim)
-    ids, mask, pos = sample_batch(info.vocab_size)
-    want_logits, want_hidden = torch_reference(source, ids, mask, pos, info.num_layers, exit_layer)
-    hidden, _ = prefix.run(ids, mask, pos)
-    logits, _ = suffix.run(hidden, mask, pos)
-    checks = [compare("split_hidden", hidden, want_hidden, mask), compare("split_logits", logits, want_logits, mask)]
-    checks.append(_check_exit_head(folder, source, hidden, want_hidden, mask, top_k))
-    # Two chunks: KV of the first chunk feeds the second.
-    a, b = slice(0, SPLIT_AT), slice(SPLIT_AT, SEQ_LEN)
-    h1, p_kv = prefix.run(ids[:, a], mask[:, a], pos[:, a])
-    _, s_kv = suffix.run(h1, mask[:, a], pos[:, a])
-    h2, _ = prefix.run(ids[:, b], mask, pos[:, b], p_kv)
-    logits2, _ = suffix.run(h2, mask, pos[:, b], s_kv)
-    checks.append(compare("cached_logits", logits2, want_logits[:, b], mask[:, b]))
-    return checks
+@dataclass
+class Validation:
+    """What a graph module's ``validate`` gets: its runner, the model, and what the model's other graphs left."""
 
+    source: Any  # ModelSource (lazy: the reference loads a layer at a time)
+    runner: Any  # FileRunner | ChainRunner
+    exit_layer: int
+    shared: dict = field(default_factory=dict)  # run results of earlier graphs by role, cached references
 
-def _check_exit_head(folder, source, hidden, want_hidden, mask, top_k) -> Check:
-    import onnxruntime as ort
+    def batch(self, model: str):
+        return sample_batch(self.source.info.vocab_size, SEEDS[model])
 
-    session = ort.InferenceSession(str(folder / "exit_head.onnx"), providers=["CPUExecutionProvider"])
-    ids, logprobs = session.run(None, {names.HIDDEN_STATES: hidden})
-    arch, model = source.arch, source.model
-    with torch.no_grad():
-        ref = torch.log_softmax(arch.part(model, arch.lm_head)(arch.part(model, arch.final_norm)(
-            torch.from_numpy(want_hidden))), dim=-1)
-        want = torch.topk(ref, top_k, dim=-1).values.numpy()
-    return compare("exit_topk_logprobs", logprobs, want, mask)
-
-
-def validate_draft(folder, draft_source) -> list[Check]:
-    info = draft_source.info
-    draft = GraphRunner(folder / "draft.onnx", range(0, info.num_layers), info.num_kv_heads, info.head_dim)
-    ids, mask, pos = sample_batch(info.vocab_size, seed=1)
-    want, _ = torch_reference(draft_source, ids, mask, pos, info.num_layers, None)
-    logits, _ = draft.run(ids, mask, pos)
-    a, b = slice(0, SPLIT_AT), slice(SPLIT_AT, SEQ_LEN)
-    _, kv = draft.run(ids[:, a], mask[:, a], pos[:, a])
-    logits2, _ = draft.run(ids[:, b], mask, pos[:, b], kv)
-    return [compare("draft_logits", logits, want, mask), compare("draft_cached_logits", logits2, want[:, b], mask[:, b])]
+    def reference(self, model: str):
+        """(logits, hidden state at the exit layer) of the whole model on its validation batch, computed once."""
+        key = ("reference", model)
+        if key not in self.shared:
+            ids, mask, pos = self.batch(model)
+            exit_layer = self.exit_layer if model == "target" else None
+            self.shared[key] = torch_reference(self.source, ids, mask, pos, self.source.info.num_layers, exit_layer)
+        return self.shared[key]
 
 
 def require_all_passed(checks: list[Check]) -> None:
@@ -149,26 +180,27 @@ def require_all_passed(checks: list[Check]) -> None:
                               "report this with the model and options used; nothing was written")
 
 
-def split_logits(folder, info, exit_layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """Logits of prefix -> suffix on the validation batch, and its mask (to compare precisions)."""
-    prefix = GraphRunner(folder / "prefix.onnx", range(0, exit_layer), info.num_kv_heads, info.head_dim)
-    suffix = GraphRunner(folder / "suffix.onnx", range(exit_layer, info.num_layers), info.num_kv_heads, info.head_dim)
-    ids, mask, pos = sample_batch(info.vocab_size)
-    hidden, _ = prefix.run(ids, mask, pos)
-    return suffix.run(hidden, mask, pos)[0], mask
+def model_logits(folder: Path, model: str, info, exit_layer: int, kv_specs: dict) -> tuple[np.ndarray, np.ndarray]:
+    """A model's logits on its validation batch from the files of ``folder`` (target: prefix -> suffix), one
+    session at a time; and the batch's mask. ``kv_specs``: role -> KVSpec."""
+    ids, mask, pos = sample_batch(info.vocab_size, SEEDS[model])
+    roles = (names.PREFIX, names.SUFFIX) if model == "target" else (names.DRAFT,)
+    first = ids
+    for role in roles:
+        runner = FileRunner(Path(folder) / names.graph_file(role), kv_specs[role])
+        out = runner.run([Run("full", {runner.session.get_inputs()[0].name: first, names.ATTENTION_MASK: mask,
+                                       names.POSITION_IDS: pos})])["full"]
+        first = next(iter(out.values()))
+        del runner
+    return first, mask
 
 
-def draft_logits(folder, info) -> tuple[np.ndarray, np.ndarray]:
-    draft = GraphRunner(folder / "draft.onnx", range(0, info.num_layers), info.num_kv_heads, info.head_dim)
-    ids, mask, pos = sample_batch(info.vocab_size, seed=1)
-    return draft.run(ids, mask, pos)[0], mask
-
-
-def quantization_effect(before: np.ndarray, after: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+def quantization_effect(model: str, before: np.ndarray, after: np.ndarray, mask: np.ndarray) -> dict[str, float]:
     """How far quantized logits moved from fp32 ones (recorded, not a pass/fail: only non-finite output fails)."""
     sel = mask.astype(bool)
     if not np.isfinite(after[sel]).all():
         raise ValidationError("A quantized graph produced non-finite logits", "the quantizer broke the graph",
                               "export with --precision fp32 and report the model")
     agree = float(np.mean(np.argmax(before[sel], -1) == np.argmax(after[sel], -1)))
-    return {"quant_max_abs_diff": float(np.max(np.abs(before[sel] - after[sel]))), "quant_top1_agreement": agree}
+    return {f"{model}_quant_max_abs_diff": float(np.max(np.abs(before[sel] - after[sel]))),
+            f"{model}_quant_top1_agreement": agree}

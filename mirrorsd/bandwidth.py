@@ -59,7 +59,8 @@ def target_weight_bytes(folder: Path, manifest: Manifest) -> int:
         for file in (path, path.with_name(path.name + ".data")):
             if file.is_file():
                 total += file.stat().st_size
-    embedding = manifest.target.vocab_size * manifest.target.hidden_size * 4  # kept fp32 by every precision
+    width = 2 if manifest.export_options.get("target_precision") == "fp16" else 4  # int8/int4 keep it fp32
+    embedding = manifest.target.vocab_size * manifest.target.hidden_size * width
     return max(total - embedding, 1)
 
 

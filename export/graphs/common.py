@@ -52,31 +52,58 @@ def additive_causal_mask(attention_mask: torch.Tensor, seq_len_like: torch.Tenso
     return torch.where(allowed, torch.zeros_like(blocked), blocked)
 
 
+class Stem(nn.Module):
+    """What every layer of a graph shares: the embedded ids (or the incoming hidden state), the mask, RoPE."""
+
+    def __init__(self, embed: nn.Module | None, rotary: nn.Module) -> None:
+        super().__init__()
+        self.embed, self.rotary = embed, rotary
+
+    def forward(self, tokens_or_hidden, attention_mask, position_ids):
+        # tokens_or_hidden: [B, S] int64 ids (with embed) or [B, S, H] float hidden states
+        hidden = self.embed(tokens_or_hidden) if self.embed is not None else tokens_or_hidden  # [B, S, H]
+        mask = additive_causal_mask(attention_mask, hidden[:, :, 0], hidden.dtype)  # [B, 1, S, P+S]
+        cos, sin = self.rotary(hidden, position_ids)  # [B, S, head_dim] each
+        return hidden, mask, cos, sin
+
+
+def run_layers(layers, hidden, mask, rope, position_ids, cache):
+    """Decoder layers as every exported graph calls them (one place to change how a layer is invoked)."""
+    for layer in layers:
+        out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                    use_cache=cache is not None, position_embeddings=rope)
+        hidden = out[0] if isinstance(out, tuple) else out  # [B, S, H]
+    return hidden
+
+
+class Head(nn.Module):
+    """Final norm + LM head: [B, S, H] -> [B, S, vocab]."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, hidden):
+        return self.lm_head(self.norm(hidden))
+
+
 class LayerRange(nn.Module):
     """Runs layers [first, end) of a decoder, optionally embedding ids first and applying norm + LM head after."""
 
     def __init__(self, model: nn.Module, arch: Architecture, first: int, end: int, embed: bool, head: bool) -> None:
         super().__init__()
-        self.first, self.end, self.with_embed, self.with_head = first, end, embed, head
-        self.embed = arch.part(model, arch.embed) if embed else None
+        self.first, self.end = first, end
+        self.stem = Stem(arch.part(model, arch.embed) if embed else None, arch.part(model, arch.rotary))
         self.layers = nn.ModuleList(list(arch.part(model, arch.layers))[first:end])
-        self.rotary = arch.part(model, arch.rotary)
-        self.norm = arch.part(model, arch.final_norm) if head else None
-        self.lm_head = arch.part(model, arch.lm_head) if head else None
+        self.head = Head(arch.part(model, arch.final_norm), arch.part(model, arch.lm_head)) if head else None
 
     def forward(self, tokens_or_hidden, attention_mask, position_ids, *past):
-        # tokens_or_hidden: [B, S] int64 ids (with embed) or [B, S, H] float hidden states
-        hidden = self.embed(tokens_or_hidden) if self.with_embed else tokens_or_hidden  # [B, S, H]
+        hidden, mask, cos, sin = self.stem(tokens_or_hidden, attention_mask, position_ids)
         cache = ExplicitCache({
             self.first + i: (past[2 * i], past[2 * i + 1]) for i in range(self.end - self.first)})
-        mask = additive_causal_mask(attention_mask, hidden[:, :, 0], hidden.dtype)  # [B, 1, S, P+S]
-        rope = self.rotary(hidden, position_ids)
-        for layer in self.layers:
-            out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                        use_cache=True, position_embeddings=rope)
-            hidden = out[0] if isinstance(out, tuple) else out
-        if self.with_head:
-            hidden = self.lm_head(self.norm(hidden))  # [B, S, vocab]
+        hidden = run_layers(self.layers, hidden, mask, (cos, sin), position_ids, cache)
+        if self.head is not None:
+            hidden = self.head(hidden)  # [B, S, vocab]
         presents = []
         for i in range(self.first, self.end):
             presents.extend(cache.present[i])

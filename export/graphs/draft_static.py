@@ -27,10 +27,13 @@ from torch import nn
 
 from mirrorsd import names
 from mirrorsd.manifest import TensorSpec
+from mirrorsd.export.graphs.base import FP32, Traced
 from mirrorsd.export.graphs.common import GraphIO, LayerRange, kv_spec, kv_tensors
 
 ROLE = names.DRAFT_STATIC
 MODEL = "draft"
+CHECKS = {"draft_static_logits": FP32}  # fed one token at a time through its fixed buffer vs the PyTorch draft
+QUANTIZED, QUANT_EFFECT = False, None  # NPUs compile it as exported
 STEP_WIDTH = 1  # tokens per call: decoding feeds one token per row; a wider step would need its own file
 MIN_CONTEXT = 16  # export-time validation feeds a 9-token batch through the buffer
 DEFAULT_MAX_CONTEXT = 1024  # KV slots of the buffer; prompt + new tokens + two draft windows must fit
@@ -60,16 +63,16 @@ def _fixed(spec: TensorSpec, dims: dict[str, int]) -> TensorSpec:
 
 
 class Graph:
-    """The graph module interface of ``export/graphs`` (ROLE, MODEL, build), configured with a KV capacity."""
+    """The graph module protocol of ``export/graphs`` (graphs/base.py), configured with a KV capacity."""
 
-    ROLE, MODEL = ROLE, MODEL
+    ROLE, MODEL, CHECKS, QUANTIZED, QUANT_EFFECT = ROLE, MODEL, CHECKS, QUANTIZED, QUANT_EFFECT
 
     def __init__(self, max_context: int, width: int = STEP_WIDTH) -> None:
         self.max_context, self.width = max_context, width
         self.static_shapes = static_shapes(max_context, width)
 
-    def build(self, source, exit_layer: int, top_k: int):
-        n = source.info.num_layers
+    def build(self, source, exit_layer: int, top_k: int) -> Traced:
+        n, arch = source.info.num_layers, source.arch
         kv = kv_spec(0, n, source.info.num_kv_heads, source.info.head_dim)
         past, present = kv_tensors(kv)
         dims = dict(self.static_shapes)
@@ -81,18 +84,18 @@ class Graph:
             *(_fixed(t, dims) for t in past)]
         outputs = [TensorSpec(names.LOGITS, "float32", (names.BATCH, self.width, source.info.vocab_size)),
                    *(_fixed(t, present_dims) for t in present)]
-        module = StaticStep(LayerRange(source.model, source.arch, 0, n, embed=True, head=True), self.width)
-        return module, GraphIO(tuple(inputs), tuple(outputs), kv), (0, n)
+        make = lambda model: StaticStep(LayerRange(model, arch, 0, n, embed=True, head=True), self.width)  # noqa: E731
+        return Traced(make, GraphIO(tuple(inputs), tuple(outputs), kv), (0, n), self.static_shapes)
+
+    def validate(self, v) -> list:
+        return _validate(v.runner.session, v.source, self.max_context)
 
 
-def validate(folder, source, max_context: int):
+def _validate(session, source, max_context: int):
     """Feed a left-padded batch of two through the fixed buffer one token at a time; compare with PyTorch."""
-    import onnxruntime as ort
-
     from mirrorsd.export.validate import Check, compare, sample_batch, torch_reference
 
     info = source.info
-    session = ort.InferenceSession(str(folder / names.graph_file(ROLE)), providers=["CPUExecutionProvider"])
     ids, mask, pos = sample_batch(info.vocab_size, seed=2)
     want, _ = torch_reference(source, ids, mask, pos, info.num_layers, None)
     batch, steps = ids.shape
@@ -112,5 +115,5 @@ def validate(folder, source, max_context: int):
         for (layer, template), buf in buffers.items():
             present = (names.PRESENT_KEY if template == names.PAST_KEY else names.PRESENT_VALUE) % layer
             buf[:, :, t] = out[present][:, :, 0]
-    check: Check = compare("draft_static_logits", got, want, mask)
+    check: Check = compare("draft_static_logits", got, want, mask, CHECKS["draft_static_logits"])
     return [check]

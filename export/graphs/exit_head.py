@@ -11,10 +11,13 @@ from torch import nn
 
 from mirrorsd import names
 from mirrorsd.manifest import TensorSpec
+from mirrorsd.export.graphs.base import FP32, HEAD_TOPK, Stack
 from mirrorsd.export.graphs.common import GraphIO, hidden_tensor
 
 ROLE = names.EXIT_HEAD
 MODEL = "target"
+CHECKS = {"exit_topk_logprobs": FP32}  # on the prefix's h(L) vs PyTorch norm + LM head on PyTorch's h(L)
+QUANTIZED, QUANT_EFFECT = True, None
 
 
 class ExitHead(nn.Module):
@@ -29,11 +32,24 @@ class ExitHead(nn.Module):
         return ids, values
 
 
-def build(source, exit_layer: int, top_k: int):
-    arch, model = source.arch, source.model
-    module = ExitHead(arch.part(model, arch.final_norm), arch.part(model, arch.lm_head), top_k)
+def build(source, exit_layer: int, top_k: int) -> Stack:
     topk_shape = (names.BATCH, names.SEQUENCE, top_k)
     io = GraphIO((hidden_tensor(source.info.hidden_size),),
                  (TensorSpec(names.TOPK_IDS, "int64", topk_shape), TensorSpec(names.TOPK_LOGPROBS, "float32", topk_shape)),
                  None)
-    return module, io, (exit_layer, exit_layer)
+    return Stack(io, (exit_layer, exit_layer), stem=None, head=HEAD_TOPK, top_k=top_k)
+
+
+def validate(v) -> list:
+    from mirrorsd.export.validate import Run, compare
+
+    _, mask, _ = v.batch(MODEL)
+    hidden = v.shared[names.PREFIX]["full"][names.HIDDEN_STATES]
+    got = v.runner.run([Run("full", {names.HIDDEN_STATES: hidden})])["full"][names.TOPK_LOGPROBS]
+    _, want_hidden = v.reference(MODEL)
+    model, arch, top_k = v.source.model, v.source.arch, got.shape[-1]
+    with torch.no_grad():
+        ref = torch.log_softmax(arch.part(model, arch.lm_head)(arch.part(model, arch.final_norm)(
+            torch.from_numpy(want_hidden))), dim=-1)
+        want = torch.topk(ref, top_k, dim=-1).values.numpy()
+    return [compare("exit_topk_logprobs", got, want, mask, CHECKS["exit_topk_logprobs"])]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from mirrorsd.errors import ModelSourceError
-from mirrorsd.export.graphs.common import ExplicitCache, additive_causal_mask
+from mirrorsd.export.graphs.common import ExplicitCache, additive_causal_mask, run_layers
 
 STREAMING_FILE = "streaming.json"
 EMBEDDINGS_FILE = "streams.safetensors"
@@ -158,12 +158,7 @@ class StreamingDraft(nn.Module):
         return self.lm_head(self.norm(hidden))  # [..., H] -> [..., vocab]
 
     def _run(self, layers, hidden, mask, positions, cache):
-        rope = self.rotary(hidden, positions)
-        for layer in layers:
-            out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=cache is not None, position_embeddings=rope)
-            hidden = out[0] if isinstance(out, tuple) else out
-        return hidden
+        return run_layers(layers, hidden, mask, self.rotary(hidden, positions), positions, cache)
 
     def _streamed(self, hidden, streams, main_mask, streams_mask, positions, stream_positions, cache):
         """Layers [f, N) over S main rows + Q stream rows -> (main [B,S,H], streams [B,Q,H]), both pre-norm."""
