@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from mirrorsd.errors import MirrorSDError
+from mirrorsd.cli_exit import run_command, write_stdout
 
 DESCRIPTION = """\
 Split a Hugging Face causal LM into the ONNX graphs Mirror-SD runs:
@@ -57,13 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--draft-precision", choices=("fp32", "int8", "int4"),
                       help="overrides --precision; an int4 draft beside an fp32/int8 target is the cheap-draft lever")
     out = parser.add_argument_group("output")
-    out.add_argument("--output", "-o", required=True, type=Path, help="folder to write (must be empty or absent)")
-    out.add_argument("--force", action="store_true", help="replace a non-empty output folder (only after success)")
+    out.add_argument("--output", "-o", required=True, type=Path,
+                     help="a new folder of its own (absent or empty; never the model's folder or one holding it)")
+    out.add_argument("--force", action="store_true",
+                     help="replace --output if it holds a previous export (only after this export succeeds)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return run_command(lambda: _export(args), "interrupted: nothing was written")
+
+
+def _export(args) -> int:
     from mirrorsd.export.pipeline import ExportOptions, export
 
     options = ExportOptions(model=args.model, output=args.output, draft=args.draft, draft_layers=args.draft_layers,
@@ -77,20 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     def progress(step: str) -> None:
         print(f"[{time.perf_counter() - started:7.1f}s] {step} ...", file=sys.stderr, flush=True)
 
-    try:
-        result = export(options, progress)
-    except MirrorSDError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted: nothing was written", file=sys.stderr)
-        return 130
+    result = export(options, progress)
     m = result.manifest
-    print(f"exported to {result.folder} in {result.seconds:.1f} s: target {m.target.model_type} "
-          f"{m.target.num_layers} layers (exit at {m.exit_layer}), draft {m.draft.num_layers} layers, top-k {m.top_k}")
+    lines = [f"exported to {result.folder} in {result.seconds:.1f} s: target {m.target.model_type} "
+             f"{m.target.num_layers} layers (exit at {m.exit_layer}), draft {m.draft.num_layers} layers, top-k {m.top_k}"]
     for spec in m.graphs.values():
         checks = ", ".join(f"{k} {v:.2e}" for k, v in spec.validation.items())
-        print(f"  {spec.file:18s} layers {spec.layer_range[0]:>2}..{spec.layer_range[1]:<2} max|diff| vs torch: {checks}")
+        lines.append(f"  {spec.file:18s} layers {spec.layer_range[0]:>2}..{spec.layer_range[1]:<2} "
+                     f"max|diff| vs torch: {checks}")
+    write_stdout("\n".join(lines) + "\n")
     return 0
 
 

@@ -5,21 +5,19 @@ scratch folder is removed and an existing output folder is left as it was.
 """
 from __future__ import annotations
 
-import os
 import platform
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 from mirrorsd import names
-from mirrorsd.errors import ExportOptionError, OutputFolderError
+from mirrorsd.errors import ExportOptionError
 from mirrorsd.manifest import SCHEMA_VERSION, GraphSpec, Manifest, TokenizerInfo
 from mirrorsd.export.graphs import draft as draft_graph, draft_static, exit_head, prefix, suffix
 from mirrorsd.export.quantize import check_precision
 from mirrorsd.export.streaming import graph as streaming_graph
+from mirrorsd.output_folder import EXPORT, check_output, staged
 
 GRAPHS = (prefix, exit_head, suffix, draft_graph)  # every graph module: ROLE, MODEL, build()
 DEFAULT_TOP_K = 8
@@ -49,11 +47,12 @@ class ExportResult:
 
 
 def export(options: ExportOptions, progress: Callable[[str], None] = lambda step: None) -> ExportResult:
-    from mirrorsd.export.loading import check_same_vocabulary, load_model
+    from mirrorsd.export.loading import load_model, source_path
+    from mirrorsd.export.source_checks import check_same_vocabulary
 
     started = time.perf_counter()
-    output = Path(options.output).expanduser().resolve()
-    _check_output(output, options.force)
+    sources = [source_path(p) for p in (options.model, options.draft) if p is not None]
+    output = check_output(options.output, sources, options.force, EXPORT)
     _check_static_options(options)
     _check_max_context(options, None)
     check_precision(options.target_precision, "--target-precision")
@@ -68,26 +67,9 @@ def export(options: ExportOptions, progress: Callable[[str], None] = lambda step
     if not 1 <= options.top_k <= target.info.vocab_size:
         raise ExportOptionError(f"--top-k {options.top_k} is out of range", f"it must be 1..{target.info.vocab_size}",
                                 f"use the default {DEFAULT_TOP_K}")
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
-    except OSError as exc:
-        raise _write_error(output, exc) from exc
-    try:
+    with staged(output) as scratch:  # published only when every graph validated; removed on any error
         manifest = _write_folder(scratch, options, target, draft, exit_layer, progress, streaming)
-        _publish(scratch, output)
-    except BaseException as exc:
-        shutil.rmtree(scratch, ignore_errors=True)
-        if isinstance(exc, OSError):  # disk full, quota, permissions: the user's to fix, not a crash
-            raise _write_error(output, exc) from exc
-        raise
     return ExportResult(output, manifest, time.perf_counter() - started)
-
-
-def _write_error(output: Path, exc: OSError) -> OutputFolderError:
-    return OutputFolderError(f"Could not write the export folder '{output}'", exc.strerror or str(exc),
-                             "free some disk space or pick another --output, then export again "
-                             "(nothing was left behind; an existing folder is untouched)")
 
 
 def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_layer: int, progress,
@@ -163,14 +145,6 @@ def _check_belongs(check: str, role: str) -> bool:
               **{f"draft_quant_{k}": names.DRAFT for k in ("max_abs_diff", "top1_agreement")},
               **{name: names.DRAFT_STREAMING for name in streaming_graph.CHECKS}}
     return owners.get(check) == role
-
-
-def _check_output(output: Path, force: bool) -> None:
-    if output.exists() and not output.is_dir():
-        raise OutputFolderError(f"Output '{output}' is a file", "the export writes a folder", "pick another --output")
-    if output.is_dir() and any(output.iterdir()) and not force:
-        raise OutputFolderError(f"Output folder '{output}' is not empty", "exports never overwrite without asking",
-                                "pick another --output, or pass --force to replace it")
 
 
 def _check_static_options(options: ExportOptions) -> None:
@@ -257,29 +231,3 @@ def _versions() -> dict[str, str]:
 
     return {"mirrorsd": mirrorsd.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
-
-
-def _publish(scratch: Path, output: Path) -> None:
-    """Rename the finished scratch folder into place; a replaced folder is removed only after the swap."""
-    os.chmod(scratch, _mkdir_mode(scratch))  # mkdtemp's folder is private (0700); publish it as mkdir would
-    old = None
-    if output.exists():
-        old = output.with_name(f".{output.name}.replaced-{os.getpid()}")
-        os.replace(output, old)
-    try:
-        os.replace(scratch, output)
-    except BaseException:
-        if old is not None:
-            os.replace(old, output)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _mkdir_mode(inside: Path) -> int:
-    """The permissions a plain mkdir gives (the umask applied), read without changing the process umask."""
-    probe = inside / ".mode-probe"
-    probe.mkdir()
-    mode = probe.stat().st_mode & 0o777
-    probe.rmdir()
-    return mode

@@ -9,39 +9,46 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import tempfile
 from pathlib import Path
+from typing import Callable
 
 from mirrorsd import names
-from mirrorsd.errors import ExportOptionError
+from mirrorsd.errors import ExportOptionError, ManifestError
 from mirrorsd.manifest import load_manifest
 from mirrorsd.export.quantize import check_precision, quantize_graph
+from mirrorsd.output_folder import EXPORT, check_output, staged
 
 TARGET_ROLES = (names.PREFIX, names.EXIT_HEAD, names.SUFFIX)
 
 
-def requantize(source: Path, output: Path, target_precision: str, draft_precision: str, force: bool = False) -> Path:
+def requantize(source: Path, output: Path, target_precision: str | None = None, draft_precision: str | None = None,
+               force: bool = False, progress: Callable[[str], None] = lambda step: None) -> Path:
+    """Quantize a copy of ``source`` into ``output``; a precision left as None keeps that model as it is."""
     from mirrorsd.export import validate
-    from mirrorsd.export.pipeline import _check_output, _publish
 
-    source, output = Path(source).resolve(), Path(output).expanduser().resolve()
+    source = Path(source).expanduser().resolve()
     manifest = load_manifest(source)
-    check_precision(target_precision, "--target-precision")
-    check_precision(draft_precision, "--draft-precision")
     done = manifest.export_options
-    for key, wanted in (("target_precision", target_precision), ("draft_precision", draft_precision)):
-        if done.get(key, "fp32") != "fp32" and wanted != done.get(key):
-            raise ExportOptionError(f"'{source}' is already {done[key]} for {key.split('_')[0]}",
+    wanted = {"target": target_precision, "draft": draft_precision}
+    if not any(wanted.values()):
+        raise ExportOptionError("Neither --target-precision nor --draft-precision was given",
+                                "there is nothing to quantize", "pass one of them (fp32, int8 or int4)")
+    for model, precision in wanted.items():
+        if precision is None:
+            continue
+        check_precision(precision, f"--{model}-precision")
+        if done.get(f"{model}_precision", "fp32") not in ("fp32", precision):
+            raise ExportOptionError(f"'{source}' is already {done[f'{model}_precision']} for {model}",
                                     "quantizing twice compounds the error", "start from the fp32 export")
-    _check_output(output, force)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
-    try:
-        draft_roles = (names.DRAFT,) + ((names.DRAFT_STREAMING,) if names.DRAFT_STREAMING in manifest.graphs else ())
-        plan = [(target_precision, TARGET_ROLES, "target", names.SUFFIX),
-                (draft_precision, draft_roles, "draft", names.DRAFT)]  # the streaming draft shares draft's weights
-        plan = [step for step in plan if step[0] != "fp32" and done.get(f"{step[2]}_precision", "fp32") != step[0]]
-        rewritten = {manifest.graph(role).file for _, roles, _, _ in plan for role in roles}
+    output = check_output(output, [source], force, EXPORT)
+    check_source_folder(source, manifest)
+    draft_roles = (names.DRAFT,) + ((names.DRAFT_STREAMING,) if names.DRAFT_STREAMING in manifest.graphs else ())
+    plan = [(wanted["target"], TARGET_ROLES, "target", names.SUFFIX),
+            (wanted["draft"], draft_roles, "draft", names.DRAFT)]  # the streaming draft shares draft's weights
+    plan = [step for step in plan if step[0] not in (None, "fp32", done.get(f"{step[2]}_precision", "fp32"))]
+    rewritten = {manifest.graph(role).file for _, roles, _, _ in plan for role in roles}
+    with staged(output) as scratch:
+        progress("copying the graphs that stay as they are")
         for item in source.iterdir():
             if item.name in rewritten or item.name.removesuffix(".data") in rewritten:
                 continue
@@ -49,6 +56,7 @@ def requantize(source: Path, output: Path, target_precision: str, draft_precisio
             shutil.copytree(item, dest) if item.is_dir() else _copy(item, dest)
         effects = {}
         for precision, roles, model, owner in plan:
+            progress(f"quantizing the {model} to {precision}")
             measure = (lambda folder: validate.split_logits(folder, manifest.target, manifest.exit_layer)) \
                 if model == "target" else (lambda folder: validate.draft_logits(folder, manifest.draft))
             before, mask = measure(source)
@@ -59,14 +67,25 @@ def requantize(source: Path, output: Path, target_precision: str, draft_precisio
             effects[owner] = {f"{model}_{k}": v for k, v in validate.quantization_effect(before, after, mask).items()}
         graphs = {role: dataclasses.replace(spec, validation={**spec.validation, **effects.get(role, {})})
                   for role, spec in manifest.graphs.items()}
-        options = {**done, "target_precision": target_precision, "draft_precision": draft_precision,
-                   "requantized_from": str(source)}
+        kept = {f"{model}_precision": precision or done.get(f"{model}_precision", "fp32")
+                for model, precision in wanted.items()}
+        options = {**done, **kept, "requantized_from": str(source)}
         dataclasses.replace(manifest, graphs=graphs, export_options=options).save(scratch)
-        _publish(scratch, output)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
     return output
+
+
+def check_source_folder(source: Path, manifest) -> None:
+    """What loading the folder checks, before anything is copied: every graph (and its external data) inside the
+    folder, and no symbolic link anywhere in it that leads out of it (a copy would follow it)."""
+    from mirrorsd.runtime.session import graph_path
+
+    for spec in manifest.graphs.values():
+        graph_path(source, spec)
+    for item in source.rglob("*"):
+        if item.is_symlink() and not item.resolve().is_relative_to(source):
+            raise ManifestError(f"'{item}' is a symbolic link to '{item.resolve()}', outside the export folder",
+                                "quantize copies the folder, and a copy would follow the link",
+                                "do not use this folder; re-export the model yourself")
 
 
 def _copy(src: Path, dst: Path) -> None:
