@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from mirrorsd.errors import MirrorSDError
+from mirrorsd.cli_exit import run_command, write_stdout
 from mirrorsd.export.quantize import PRECISIONS
 
 DESCRIPTION = """\
@@ -61,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--draft-precision", choices=PRECISIONS,
                       help="overrides --precision; an int4 draft beside an fp32/int8 target is the cheap-draft lever")
     out = parser.add_argument_group("output")
-    out.add_argument("--output", "-o", required=True, type=Path, help="folder to write (must be empty or absent)")
-    out.add_argument("--force", action="store_true", help="replace a non-empty output folder (only after success)")
+    out.add_argument("--output", "-o", required=True, type=Path,
+                     help="a new folder of its own (absent or empty; never the model's folder or one holding it)")
+    out.add_argument("--force", action="store_true",
+                     help="replace --output if it holds a previous export (only after this export succeeds)")
     out.add_argument("--resume", action="store_true",
                      help="keep the finished graphs in the hidden folder .NAME.partial beside the output if the run "
                           "stops (Ctrl-C, a crash), and continue from there when run again with --resume and the "
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from mirrorsd.export.pipeline import ExportOptions, export
+    from mirrorsd.export.pipeline import ExportOptions
 
     options = ExportOptions(model=args.model, output=args.output, draft=args.draft, draft_layers=args.draft_layers,
                             exit_layer=args.exit_layer, top_k=args.top_k, force=args.force,
@@ -85,22 +87,24 @@ def main(argv: list[str] | None = None) -> int:
                             max_context=args.max_context, resume=args.resume, whole_graphs=args.whole_graphs)
     bar = LayerBar()
     try:
-        result = export(options, bar.step, bar.layer)
-    except MirrorSDError as exc:
+        return run_command(lambda: _export(options, bar), _interrupted(options))
+    finally:
         bar.close()
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        bar.close()
-        print(_interrupted(options), file=sys.stderr)
-        return 130
+
+
+def _export(options, bar: "LayerBar") -> int:
+    from mirrorsd.export.pipeline import export
+
+    result = export(options, bar.step, bar.layer)
     bar.close()
     m = result.manifest
-    print(f"exported to {result.folder} in {result.seconds:.1f} s: target {m.target.model_type} "
-          f"{m.target.num_layers} layers (exit at {m.exit_layer}), draft {m.draft.num_layers} layers, top-k {m.top_k}")
+    lines = [f"exported to {result.folder} in {result.seconds:.1f} s: target {m.target.model_type} "
+             f"{m.target.num_layers} layers (exit at {m.exit_layer}), draft {m.draft.num_layers} layers, top-k {m.top_k}"]
     for spec in m.graphs.values():
         checks = ", ".join(f"{k} {v:.2e}" for k, v in spec.validation.items())
-        print(f"  {spec.file:18s} layers {spec.layer_range[0]:>2}..{spec.layer_range[1]:<2} max|diff| vs torch: {checks}")
+        lines.append(f"  {spec.file:18s} layers {spec.layer_range[0]:>2}..{spec.layer_range[1]:<2} "
+                     f"max|diff| vs torch: {checks}")
+    write_stdout("\n".join(lines) + "\n")
     return 0
 
 
@@ -132,7 +136,7 @@ class LayerBar:
 
 def _interrupted(options) -> str:
     if options.resume:
-        from mirrorsd.export.publish import resumable_scratch
+        from mirrorsd.output_folder import resumable_scratch
 
         kept = resumable_scratch(Path(options.output).expanduser().resolve())
         return (f"interrupted: the finished graphs are kept in {kept}; run the same command again to continue "

@@ -2,7 +2,7 @@
 
 Graphs are built layer by layer from the checkpoint (build.py, assembly.py), so memory stays near one graph's
 largest layer plus the ONNX Runtime session that validates it, not the model. The folder appears under its final
-name only when every graph validated (publish.py); on any error, Ctrl-C included, the scratch folder is removed and
+name only when every graph validated (mirrorsd/output_folder.py); on any error, Ctrl-C included, the scratch folder is removed and
 an existing output folder is left as it was. With ``resume`` the scratch folder is kept instead, and the next
 ``resume`` run continues from the graphs it holds.
 """
@@ -18,9 +18,9 @@ from mirrorsd import names
 from mirrorsd.errors import ExportOptionError
 from mirrorsd.manifest import SCHEMA_VERSION, GraphSpec, Manifest, TokenizerInfo
 from mirrorsd.export.graphs import draft as draft_graph, draft_static, exit_head, prefix, suffix
-from mirrorsd.export.publish import StagedFolder
 from mirrorsd.export.quantize import check_precision
 from mirrorsd.export.streaming import graph as streaming_graph
+from mirrorsd.output_folder import EXPORT, StagedFolder, check_output
 
 TARGET_GRAPHS = (prefix, exit_head, suffix)  # graph modules (graphs/base.py), in validation order
 DRAFT_GRAPHS = (draft_graph,)
@@ -56,11 +56,13 @@ class ExportResult:
 def export(options: ExportOptions, progress: Callable[[str], None] = lambda step: None,
            on_layer: Callable[[str, int, int], None] = lambda role, done, total: None) -> ExportResult:
     """Export ``options.model`` (and its draft); ``progress`` gets each step, ``on_layer`` each written layer."""
-    from mirrorsd.export.loading import check_same_vocabulary, open_model
+    from mirrorsd.export.loading import open_model, source_path
+    from mirrorsd.export.source_checks import check_same_vocabulary
 
     started = time.perf_counter()
-    output = Path(options.output).expanduser().resolve()
-    stage = StagedFolder(output, options.force, resumable=options.resume)
+    sources = [source_path(p) for p in (options.model, options.draft) if p is not None]
+    output = check_output(options.output, sources, options.force, EXPORT)
+    stage = StagedFolder(output, resumable=options.resume)
     _check_static_options(options)
     _check_max_context(options, None)
     check_precision(options.target_precision, "--target-precision")

@@ -3,40 +3,52 @@
     mirrorsd quantize --model exports/qwen --output exports/qwen-d4 --draft-precision int4
 
 The new folder's manifest records the precisions and each quantized graph's effect on logits (max |diff| and top-1
-agreement against the fp32 graphs on the validation batch). Written atomically like an export (publish.py), with
-the export's own quantization step (quantize.py) and graph modules (graphs/registry.py).
+agreement against the fp32 graphs on the validation batch). Written atomically like an export
+(mirrorsd/output_folder.py), with the export's own quantization step (quantize.py) and graph modules
+(graphs/registry.py). A precision left as None keeps that model as it is.
 """
 from __future__ import annotations
 
 import dataclasses
 import shutil
 from pathlib import Path
+from typing import Callable
 
-from mirrorsd.errors import ExportOptionError
+from mirrorsd.errors import ExportOptionError, ManifestError
 from mirrorsd.manifest import load_manifest
 from mirrorsd.export.graphs import registry
-from mirrorsd.export.publish import StagedFolder
 from mirrorsd.export.quantize import QUANTIZED, check_precision, quantize_graph
+from mirrorsd.output_folder import EXPORT, StagedFolder, check_output
 
 
-def requantize(source: Path, output: Path, target_precision: str, draft_precision: str, force: bool = False) -> Path:
+def requantize(source: Path, output: Path, target_precision: str | None = None, draft_precision: str | None = None,
+               force: bool = False, progress: Callable[[str], None] = lambda step: None) -> Path:
+    """Quantize a copy of ``source`` into ``output``; a precision left as None keeps that model as it is."""
     from mirrorsd.export import validate
 
-    source, output = Path(source).resolve(), Path(output).expanduser().resolve()
+    source = Path(source).expanduser().resolve()
     manifest = load_manifest(source)
-    allowed = ("fp32", *QUANTIZED)  # fp16 graphs are traced in fp16 (mirrorsd-export --precision fp16)
-    check_precision(target_precision, "--target-precision", allowed)
-    check_precision(draft_precision, "--draft-precision", allowed)
     done = manifest.export_options
-    for key, wanted in (("target_precision", target_precision), ("draft_precision", draft_precision)):
-        if done.get(key, "fp32") != "fp32" and wanted != done.get(key):
-            raise ExportOptionError(f"'{source}' is already {done[key]} for {key.split('_')[0]}",
+    wanted = {"target": target_precision, "draft": draft_precision}
+    if not any(wanted.values()):
+        raise ExportOptionError("Neither --target-precision nor --draft-precision was given",
+                                "there is nothing to quantize", "pass one of them (fp32, int8 or int4)")
+    allowed = ("fp32", *QUANTIZED)  # fp16 graphs are traced in fp16 (mirrorsd-export --precision fp16)
+    for model, precision in wanted.items():
+        if precision is None:
+            continue
+        check_precision(precision, f"--{model}-precision", allowed)
+        if done.get(f"{model}_precision", "fp32") not in ("fp32", precision):
+            raise ExportOptionError(f"'{source}' is already {done[f'{model}_precision']} for {model}",
                                     "quantizing twice compounds the error", "start from the fp32 export")
-    plan = [(model, precision) for model, precision in (("target", target_precision), ("draft", draft_precision))
-            if precision != "fp32" and done.get(f"{model}_precision", "fp32") != precision]
+    output = check_output(output, [source], force, EXPORT)
+    check_source_folder(source, manifest)
+    plan = [(model, precision) for model, precision in wanted.items()
+            if precision not in (None, "fp32", done.get(f"{model}_precision", "fp32"))]
     roles = {model: registry.quantized_roles(manifest.graphs, model) for model, _ in plan}
     kv = {role: spec.kv for role, spec in manifest.graphs.items()}
-    with StagedFolder(output, force) as stage:
+    with StagedFolder(output) as stage:
+        progress("copying the graphs that stay as they are")
         rewritten = {manifest.graph(role).file for rs in roles.values() for role in rs}
         for item in source.iterdir():
             if item.name in rewritten or item.name.removesuffix(".data") in rewritten:
@@ -45,6 +57,7 @@ def requantize(source: Path, output: Path, target_precision: str, draft_precisio
             shutil.copytree(item, dest) if item.is_dir() else _copy(item, dest)
         effects = {}
         for model, precision in plan:
+            progress(f"quantizing the {model} to {precision}")
             info = manifest.target if model == "target" else manifest.draft
             before, mask = validate.model_logits(source, model, info, manifest.exit_layer, kv)
             for role in roles[model]:  # read from the source folder: onnx refuses hard-linked external data
@@ -54,11 +67,26 @@ def requantize(source: Path, output: Path, target_precision: str, draft_precisio
             effects[registry.effect_owner(model)] = validate.quantization_effect(model, before, after, mask)
         graphs = {role: dataclasses.replace(spec, validation={**spec.validation, **effects.get(role, {})})
                   for role, spec in manifest.graphs.items()}
-        options = {**done, "target_precision": target_precision, "draft_precision": draft_precision,
-                   "requantized_from": str(source)}
+        kept = {f"{model}_precision": precision or done.get(f"{model}_precision", "fp32")
+                for model, precision in wanted.items()}
+        options = {**done, **kept, "requantized_from": str(source)}
         dataclasses.replace(manifest, graphs=graphs, export_options=options).save(stage.path)
         stage.publish()
     return output
+
+
+def check_source_folder(source: Path, manifest) -> None:
+    """What loading the folder checks, before anything is copied: every graph (and its external data) inside the
+    folder, and no symbolic link anywhere in it that leads out of it (a copy would follow it)."""
+    from mirrorsd.runtime.session import graph_path
+
+    for spec in manifest.graphs.values():
+        graph_path(source, spec)
+    for item in source.rglob("*"):
+        if item.is_symlink() and not item.resolve().is_relative_to(source):
+            raise ManifestError(f"'{item}' is a symbolic link to '{item.resolve()}', outside the export folder",
+                                "quantize copies the folder, and a copy would follow the link",
+                                "do not use this folder; re-export the model yourself")
 
 
 def _copy(src: Path, dst: Path) -> None:

@@ -61,6 +61,7 @@ class BenchResult:
     skipped: list[int] = field(default_factory=list)
     machine: dict = field(default_factory=dict)
     ceilings: list = field(default_factory=list)  # mirrorsd.bandwidth.Ceiling per thread count
+    chat: bool = True  # prompts through the export's chat template; False: raw completion (it has none)
 
 
 VARIANTS = {  # bench mode name -> GenerationConfig fields
@@ -112,9 +113,43 @@ def default_questions() -> Path:
                                "pass --questions PATH or set MIRRORSD_SPEC_BENCH")
 
 
+def check_options(options: BenchOptions) -> None:
+    """What can be checked before anything loads: the modes."""
+    if not options.modes:
+        raise GenerationInputError("--modes names no mode", "a bench compares modes; the list was empty",
+                                   "pass for example --modes ar,sd,mirror")
+    for mode in options.modes:
+        variant(mode)
+
+
+def read_question_rows(path: Path) -> list[dict]:
+    """SpecBench's question.jsonl: one JSON object a line with question_id, category and turns."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GenerationInputError(f"Cannot read the questions file '{path}'", str(exc),
+                                   "pass --questions PATH to a SpecBench question.jsonl") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            row, why = None, f"line {number} is not JSON ({exc.msg})"
+        else:
+            why = f"line {number} lacks question_id, category or turns"
+        if not (isinstance(row, dict) and {"question_id", "category", "turns"} <= set(row)
+                and isinstance(row["turns"], list) and row["turns"] and isinstance(row["turns"][0], str)):
+            raise GenerationInputError(f"'{path}' is not a SpecBench question file", why,
+                                       "pass --questions PATH to a SpecBench question.jsonl")
+        rows.append(row)
+    return rows
+
+
 def load_questions(path: Path, categories: tuple[str, ...], per_category: int) -> list[dict]:
     """The first ``per_category`` questions of each category, in file order (a fixed subset), first turn only."""
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = read_question_rows(path)
     available = list(dict.fromkeys(r["category"] for r in rows))
     wanted = categories or tuple(c for c in DEFAULT_CATEGORIES if c in available) or tuple(available)
     unknown = set(wanted) - set(available)
@@ -134,8 +169,7 @@ def run_bench(options: BenchOptions, progress=True) -> BenchResult:
 
     from mirrorsd.peers import is_peer_mode
 
-    for mode in options.modes:
-        variant(mode)  # unknown modes fail before anything loads
+    check_options(options)  # unknown modes fail before anything loads
     questions = load_questions(options.questions or default_questions(), options.categories, options.per_category)
     result = BenchResult(options, machine=_machine())
     baseline = _baseline_pass(options, questions, progress) if options.baseline_threads else {}
@@ -163,6 +197,11 @@ def run_bench(options: BenchOptions, progress=True) -> BenchResult:
             result.runs.append(run)
     result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     return result
+
+
+def has_chat_template(pipe) -> bool:
+    """Prompts go through the chat template when the export has one, else as raw completion (base models)."""
+    return bool(pipe.manifest.tokenizer.chat_template)
 
 
 def rotated(modes: list[str], i: int) -> list[str]:
@@ -196,10 +235,12 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[dict], re
                   branch_batch=options.branch_batch)
     native_modes = [m for m in modes if m in NATIVE_VARIANTS]
     with Pipeline.load(options.model, devices) as pipe, _native_model(options, native_modes) as native:
-        configs = {mode: GenerationConfig(**{**shared, "record_margins": mode == "ar", **variant(mode)})
+        result.chat = has_chat_template(pipe)
+        configs = {mode: GenerationConfig(**{**shared, "record_margins": mode == "ar", "chat": result.chat,
+                                             **variant(mode)})
                    for mode in modes if mode not in NATIVE_VARIANTS}
         configs.update({mode: _NativeRun(native, mode, {**shared, **variant(mode)}) for mode in native_modes})
-        encode_config = GenerationConfig(max_new_tokens=options.max_new_tokens)
+        encode_config = GenerationConfig(max_new_tokens=options.max_new_tokens, chat=result.chat)
         if options.warmup:
             for config in configs.values():
                 if isinstance(config, _NativeRun):
@@ -297,16 +338,18 @@ def _baseline_pass(options: BenchOptions, questions: list[dict], progress: bool)
     from mirrorsd.runtime import GenerationConfig, Pipeline
 
     n = options.baseline_threads
-    configs = {f"{mode}-{n}t": GenerationConfig(mode=mode, max_new_tokens=options.max_new_tokens, gamma=options.gamma)
-               for mode in ("ar", "sd") if mode == "ar" or mode in options.modes}
     outs: dict = {}
     with Pipeline.load(options.model, DeviceRequest(target_threads=n, draft_threads=n)) as pipe:
+        chat = has_chat_template(pipe)
+        configs = {f"{mode}-{n}t": GenerationConfig(mode=mode, max_new_tokens=options.max_new_tokens,
+                                                    gamma=options.gamma, chat=chat)
+                   for mode in ("ar", "sd") if mode == "ar" or mode in options.modes}
         if options.warmup:
             for config in configs.values():
                 pipe.generate("Say hello.", GenerationConfig(**{**config.__dict__, "max_new_tokens": 8}))
         for i, question in enumerate(tqdm(questions, disable=not progress, desc=f"{n} threads", unit="prompt")):
             prompt = question["turns"][0]
-            if len(pipe.encode(prompt, GenerationConfig())) + options.max_new_tokens > pipe.context_limit:
+            if len(pipe.encode(prompt, GenerationConfig(chat=chat))) + options.max_new_tokens > pipe.context_limit:
                 continue
             outs[question["question_id"]] = {name: pipe.generate(prompt, configs[name])
                                              for name in rotated(list(configs), i)}

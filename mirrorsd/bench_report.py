@@ -43,6 +43,8 @@ def markdown(result: BenchResult, command: str) -> str:
     rows = summarize_modes(result)
     lines = [f"# mirrorsd bench — {result.options.model}", "", f"Command: `{command}`", "",
              f"Machine: {result.machine}; peak RSS {result.peak_rss_mb:.0f} MiB", "",
+             "Prompts: " + ("the export's chat template" if result.chat else
+                            "raw completion (the export has no chat template)"), "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         cells = [row["mode"]] + [_number(row[c]) for c in COLUMNS[1:-1]] + [row["parity"]]
@@ -173,8 +175,9 @@ def chart(result: BenchResult, path: Path) -> Path | None:
     return path
 
 
-def write_outputs(result: BenchResult, command: str) -> dict[str, Path]:
-    out = Path(result.options.output)
+def write_outputs(result: BenchResult, command: str, folder: Path | None = None) -> dict[str, Path]:
+    """Write the report files into ``folder`` (default: the options' output; the CLI passes its staged folder)."""
+    out = Path(folder if folder is not None else result.options.output)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "report.md", "answers": out / "answers.jsonl", "runs": out / "runs.json"}
     paths["markdown"].write_text(markdown(result, command), encoding="utf-8")

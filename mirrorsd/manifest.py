@@ -129,14 +129,13 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
         raise ManifestError(f"'{folder}' is not a folder", "an export folder holds mirrorsd.json and ONNX graphs",
                             "pass the --output folder of mirrorsd-export")
     if not path.is_file():
+        if (folder / "config.json").is_file():  # a model folder: export it into a new folder, never into itself
+            raise ManifestError(f"'{folder}' has no {MANIFEST_FILE}", "it is a Hugging Face model folder, not an export",
+                                f"export it first: mirrorsd-export --model {folder} --output exports/{folder.name}, "
+                                f"then pass --model exports/{folder.name}")
         raise ManifestError(f"'{folder}' has no {MANIFEST_FILE}", "it is not a mirrorsd export folder",
-                            f"export a model first: mirrorsd-export --model MODEL --output {folder}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{path} is not valid JSON", str(exc), "re-export the folder") from exc
-    if not isinstance(data, dict):
-        raise ManifestError(f"{path} does not hold a JSON object", "the file is damaged", "re-export the folder")
+                            "pass an export folder (mirrorsd-export --model MODEL --output NEW_FOLDER writes one)")
+    data = read_json_object(path)
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise ManifestError(
@@ -147,6 +146,17 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
         check_inside(folder, spec.file, f"graph '{spec.role}'")
     check_inside(folder, manifest.tokenizer.directory, "tokenizer directory")
     return manifest
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from a file of an export folder; ManifestError if it is not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{path} is not valid JSON", str(exc), "re-export the folder") from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"{path} does not hold a JSON object", "the file is damaged", "re-export the folder")
+    return data
 
 
 def check_inside(folder: Path, relative: str, what: str) -> Path:

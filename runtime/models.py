@@ -11,6 +11,7 @@ import numpy as np
 
 from mirrorsd import names
 from mirrorsd.runtime.kv_cache import KVCache
+from mirrorsd.runtime.limits import check_finite
 from mirrorsd.runtime.session import GraphSession
 
 ExitCallback = Callable[[np.ndarray, np.ndarray], None]  # (topk_ids [S, k], topk_logprobs [S, k])
@@ -68,7 +69,7 @@ class TargetModel:
         feeds.update(self.suffix_cache.past_feeds())
         out = self.suffix.run(feeds)
         self.suffix_cache.append_presents(out, new)
-        return out[self._logits_name]
+        return check_finite(out[self._logits_name])
 
     def extend(self, tokens, on_exit: ExitCallback | None = None) -> np.ndarray:
         """Single sequence: feed ``tokens`` after the cached ones; returns logits [S, vocab]."""

@@ -18,6 +18,7 @@ from typing import Callable
 from mirrorsd import names
 from mirrorsd.errors import GenerationInputError
 from mirrorsd.manifest import Manifest, load_manifest
+from mirrorsd.runtime import limits
 from mirrorsd.runtime.decoder import DecodeSettings, decode
 from mirrorsd.runtime.mirror import MirrorProposer, MirrorSettings
 from mirrorsd.runtime.models import TargetModel
@@ -114,6 +115,8 @@ class Pipeline:
         folder = Path(folder).expanduser().resolve()
         manifest = load_manifest(folder)
         devices = devices or DeviceRequest()
+        limits.check_threads(devices)
+        limits.check_vocabularies(manifest)
         timelines = {"target": Timeline(), "draft": Timeline()}
         sessions, placements = {}, {}
         plan = plan_placement(manifest, devices)  # decided once for both models; warns when auto fell back
@@ -151,9 +154,14 @@ class Pipeline:
                                        "encode text with this export's tokenizer")
         return ids
 
-    def generate(self, prompt: str | list[int], config: GenerationConfig = GenerationConfig(),
+    def generate(self, prompt: str | list[int], config: GenerationConfig | None = None,
                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
-        """Generate (greedy or sampled, see ``sampling``); ``on_text`` receives text pieces as tokens are committed."""
+        """Generate (greedy or sampled, see ``sampling``); ``on_text`` receives text pieces as tokens are committed.
+        ``config`` None means the defaults."""
+        config = GenerationConfig() if config is None else config
+        if not isinstance(config, GenerationConfig):
+            raise GenerationInputError(f"config must be a GenerationConfig, not {type(config).__name__}",
+                                       "it holds the decoding settings", "pass GenerationConfig(...) or None")
         config.check()
         sampling = self.sampling(config)
         ids = self.encode(prompt, config)
@@ -163,6 +171,7 @@ class Pipeline:
             raise GenerationInputError(
                 f"The prompt has {len(ids)} tokens", f"the exported graphs allow {self.context_limit} in all",
                 "shorten the prompt")
+        limits.check_generation(config, self.manifest, len(ids), self.context_limit)
         if config.mode != "ar" and isinstance(self.draft, StaticDraftModel):
             self.draft.check_room(len(ids) + config.max_new_tokens, config.gamma)
         with self._lock:

@@ -50,6 +50,7 @@ from mirrorsd.runtime.verify import (Verdict, greedy_tokens, inverse_cdf, verify
                                      verify_residual)
 
 TARGET, ACCEPT, DRAFT = 0, 1, 2  # uniform streams (see the module docstring)
+MIN_TEMPERATURE = 1e-6  # logits / T stays finite in float32 for any logit below 3e32 (colder: use 0, greedy)
 UNIFORM_BLOCK = 256  # uniforms are made 256 positions at a time: one generator per block, not per draw
 # What a key missing from an export's generation defaults means: transformers' GenerationConfig defaults.
 TRANSFORMERS_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
@@ -99,6 +100,9 @@ class SamplingParams:
         problems = []
         if not self.temperature >= 0:
             problems.append(f"temperature {self.temperature} (use >= 0; 0 = greedy)")
+        elif 0 < self.temperature < MIN_TEMPERATURE and self.do_sample:
+            problems.append(f"temperature {self.temperature} (float32 logits divided by it overflow to inf; use "
+                            f">= {MIN_TEMPERATURE:g}, or 0 for greedy)")
         if self.top_k < 0:
             problems.append(f"top_k {self.top_k} (use >= 0; 0 = off)")
         if not 0 < self.top_p <= 1:

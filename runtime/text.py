@@ -1,11 +1,10 @@
 """Tokenizer and chat template without transformers: the ``tokenizers`` library plus a Jinja2 sandbox."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mirrorsd.errors import GenerationInputError, ManifestError
-from mirrorsd.manifest import Manifest, check_inside
+from mirrorsd.manifest import Manifest, check_inside, read_json_object
 
 
 class TextCodec:
@@ -19,7 +18,11 @@ class TextCodec:
         if not path.is_file():
             raise ManifestError(f"{path} is missing", "the export folder has no tokenizer",
                                 "re-export the folder")
-        self.tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises plain Exception for a malformed file
+            raise ManifestError(f"{path} is not a tokenizer the tokenizers library can read",
+                                f"{type(exc).__name__}: {str(exc)[:200]}", "re-export the folder") from None
         self.info = manifest.tokenizer
         self._special = self._special_tokens(tok_dir)
 
@@ -28,7 +31,7 @@ class TextCodec:
         config = tok_dir / "tokenizer_config.json"
         if not config.is_file():
             return {}
-        data = json.loads(config.read_text(encoding="utf-8"))
+        data = read_json_object(config)
         out = {}
         for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
             value = data.get(key)
@@ -36,6 +39,8 @@ class TextCodec:
         return out
 
     def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
+        for name, value in (("prompt", text), ("system message", system)):
+            _require_utf8(name, value)
         if not chat:
             return self.tokenizer.encode(text, add_special_tokens=True).ids
         if not self.info.chat_template:
@@ -46,19 +51,31 @@ class TextCodec:
         return self.tokenizer.encode(rendered, add_special_tokens=False).ids
 
     def render_chat(self, messages: list[dict]) -> str:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        """The chat template applied to ``messages``, in a sandbox with time and size limits (chat_template.py)."""
+        from mirrorsd.runtime.chat_template import BASE_CHARS, render
 
         def raise_exception(message):
             raise GenerationInputError("The chat template refused the conversation", message,
                                        "check the roles and order of the messages")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.info.chat_template)
-        return template.render(messages=messages, add_generation_prompt=True, **self._special)
+        own = sum(len(str(m.get("content", ""))) for m in messages)
+        return render(self.info.chat_template, BASE_CHARS + 2 * own, globals_={"raise_exception": raise_exception},
+                      messages=messages, add_generation_prompt=True, **self._special)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _require_utf8(name: str, text: str | None) -> None:
+    """Text that cannot be UTF-8 (lone surrogates: bytes a terminal in another encoding passed) is refused."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise GenerationInputError(f"The {name} is not valid UTF-8 text",
+                                   f"character {exc.start} cannot be encoded ({text[exc.start:exc.end]!r})",
+                                   "pass UTF-8 text (check the terminal's or file's encoding)") from None
 
 
 class StreamDecoder:

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from mirrorsd.errors import ModelSourceError, MirrorSDError, OutputFolderError
+from mirrorsd import output_folder
 from mirrorsd.export import assembly, onnx_writer
-from mirrorsd.export import publish as export_publish
 from mirrorsd.export.pipeline import ExportOptions, export
 from mirrorsd.names import MANIFEST_FILE
 
@@ -204,7 +204,7 @@ def test_failed_swap_restores_the_old_folder(old_export, tiny_model, out, monkey
                 raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
         return real(src, dst)
 
-    monkeypatch.setattr(export_publish.os, "replace", replace)
+    monkeypatch.setattr(output_folder.os, "replace", replace)
     with pytest.raises(OutputFolderError):
         export(ExportOptions(model=tiny_model("llama"), output=out, exit_layer=2, force=True))
     assert calls[1][1] == out.name and calls[2] == (calls[0][1], out.name)  # and the old folder moved back

@@ -46,8 +46,12 @@ def build_tokenizer(folder: Path, corpus: list[str] = CORPUS):
 
 
 def build_model(folder: Path, model_type: str = "llama", layers: int = 4, seed: int = 0, hidden: int = 64,
-                init_range: float = 0.3, corpus: list[str] = CORPUS, max_positions: int = 512) -> Path:
-    """Write a tiny random causal LM + tokenizer as a Hugging Face folder and return the folder."""
+                init_range: float = 0.3, corpus: list[str] = CORPUS, max_positions: int = 512,
+                vocab_size: int = VOCAB) -> Path:
+    """Write a tiny random causal LM + tokenizer as a Hugging Face folder and return the folder.
+
+    ``vocab_size`` above the tokenizer's VOCAB tokens adds embedding rows that no token uses (as padded
+    vocabularies do)."""
     import torch
     import transformers
 
@@ -56,7 +60,7 @@ def build_model(folder: Path, model_type: str = "llama", layers: int = 4, seed: 
     tok = build_tokenizer(folder, corpus)
     spec = CONFIGS[model_type]
     config = getattr(transformers, spec["cls"])(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, initializer_range=init_range,
         tie_word_embeddings=(model_type == "llama"), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, **spec["extra"])

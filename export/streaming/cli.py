@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mirrorsd.errors import MirrorSDError
+from mirrorsd.cli_exit import run_command
 
 DESCRIPTION = """\
 Fine-tune a draft model for Speculative Streaming (arXiv 2402.11131): n learned stream embeddings enter its top
@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return run_command(lambda: _train(args))
+
+
+def _train(args) -> int:
     from mirrorsd.export.streaming.train import TrainOptions, train
 
     options = TrainOptions(
@@ -84,13 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         max_minutes=args.max_minutes, lr=args.lr, warmup_steps=args.warmup_steps, anchors=args.anchors,
         grad_accum=args.grad_accum, save_every=args.save_every, seed=args.seed, threads=args.threads,
         resume=args.resume, force=args.force, progress=not args.no_progress)
-    try:
-        result = train(options)
-    except MirrorSDError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
+    result = train(options)
     c = result.config
     print(f"streaming draft written to {result.folder}: {c.streams} streams on layers "
           f"{c.first_streamed_layer}..{c.num_layers - 1}, {c.method}, {result.steps} steps in {result.seconds:.0f} s "

@@ -26,6 +26,7 @@ from mirrorsd.errors import ExportOptionError, OutputFolderError
 from mirrorsd.export.streaming import checkpoint, data
 from mirrorsd.export.streaming.evaluate import evaluate, sample_inputs
 from mirrorsd.export.streaming.lora import add_adapters, merge_adapters
+from mirrorsd.runtime.limits import cores
 from mirrorsd.export.streaming.model import (EMBEDDINGS_FILE, EMBEDDINGS_KEY, STREAM_LOSS_WEIGHT, STREAMING_FILE,
                                              StreamingConfig, StreamingDraft)
 
@@ -325,8 +326,11 @@ def _record(options: TrainOptions, step: int, spent: float, before: dict) -> dic
 
 def _prepare_output(options: TrainOptions, output: Path) -> dict | None:
     """Check the output folder; returns the saved state record when resuming."""
-    if output.exists() and not output.is_dir():
-        raise OutputFolderError(f"--output {output} is a file", "training writes a folder", "pick another --output")
+    from mirrorsd.export.loading import source_path
+    from mirrorsd.output_folder import STREAMING_DRAFT, check_output
+
+    sources = [source_path(options.draft), source_path(options.target)]
+    check_output(options.output, sources, options.force or options.resume, STREAMING_DRAFT)
     record = checkpoint.read_record(output) if output.is_dir() else None
     if options.resume:
         if record is None:
@@ -338,10 +342,7 @@ def _prepare_output(options: TrainOptions, output: Path) -> dict | None:
             raise ExportOptionError(f"--resume with other options than the saved run: {', '.join(changed)}",
                                     "the saved state belongs to those settings",
                                     "repeat the first run's options (epochs, max-steps and max-minutes may change)")
-    elif output.is_dir() and any(output.iterdir()):
-        if not options.force:
-            raise OutputFolderError(f"--output {output} is not empty", "a new training would overwrite it",
-                                    "pass --resume to continue it, --force to start over, or pick another folder")
+    elif output.is_dir() and any(output.iterdir()):  # a folder of ours (check_output), and --force was given
         for entry in output.iterdir():  # keep the target's cached answers: they are reused when they still fit
             if not entry.name.startswith("distill"):
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
@@ -358,7 +359,8 @@ def _check_options(options: TrainOptions) -> None:
               (options.grad_accum >= 1, "--grad-accum", ">= 1"),
               (options.max_new_tokens >= 2, "--max-new-tokens", ">= 2"),
               (options.holdout >= 1, "--holdout", ">= 1"), (options.eval_prompts >= 1, "--eval-prompts", ">= 1"),
-              (options.lr > 0, "--lr", "> 0"), (options.epochs > 0, "--epochs", "> 0")]
+              (options.lr > 0, "--lr", "> 0"), (options.epochs > 0, "--epochs", "> 0"),
+              (options.threads is None or 1 <= options.threads <= cores(), "--threads", f"1..{cores()} (the cores)")]
     for ok, flag, rule in checks:
         if not ok:
             raise ExportOptionError(f"{flag} is out of range", f"it must be {rule}", f"fix {flag}")
