@@ -122,6 +122,19 @@ class DraftModel:
         self.cache_tokens.extend(int(t) for t in tokens)
         return logits
 
+    def truncate(self, length: int) -> None:
+        """Drop main-cache slots from ``length`` on."""
+        self.cache.truncate(length)
+        del self.cache_tokens[length:]
+        self._agreed = min(self._agreed, length)
+
+    def holds(self, tokens: list[int]) -> None:
+        """Record that the main cache now holds ``tokens`` (a rollout or an adopted branch wrote its slots)."""
+        if len(tokens) != self.cache.length:
+            raise ValueError(f"the draft cache holds {self.cache.length} slots, not {len(tokens)}")
+        self.cache_tokens = [int(t) for t in tokens]
+        self._agreed = min(self._agreed, len(tokens))
+
 
 def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
     """Length of the common prefix of ``a`` and ``b``, given that the first ``start`` items are known equal."""

@@ -25,7 +25,7 @@ from mirrorsd.runtime.proposers import SerialDraft, TargetOnly
 from mirrorsd.runtime.sampling import RULES, Sampler, SamplingParams
 from mirrorsd.runtime.session import GraphSession, Timeline, graph_path
 from mirrorsd.runtime.static_cache import StaticDraftModel, draft_model
-from mirrorsd.runtime.streaming import StreamingSerialDraft, streaming_draft, streaming_rollout
+from mirrorsd.runtime.streaming import streaming_draft
 from mirrorsd.runtime.stats import GenerationStats, summarize
 from mirrorsd.runtime.text import StreamDecoder, TextCodec
 
@@ -215,17 +215,16 @@ class Pipeline:
         if config.mode == "ar":
             return TargetOnly()
         streaming = self.streaming_draft if config.streaming else None
+        draft, lookahead = (streaming, True) if streaming else (self.draft, False)  # the streams are lookahead
         if config.mode == "sd":
-            return StreamingSerialDraft(streaming) if streaming else SerialDraft(self.draft)
+            return SerialDraft(draft, lookahead)
         settings = MirrorSettings(max_branches=config.branches, branch_batch=config.branch_batch,
                                   runner_up_k=config.runner_up_k, timeout_s=config.draft_timeout_s,
                                   budget=config.branch_budget, use_exit_head=config.exit_head)
-        draft = streaming or self.draft
         if self._mirror is None or self._mirror.settings != settings or self._mirror.draft is not draft:
             if self._mirror is not None:
                 self._mirror.close()
-            self._mirror = MirrorProposer(draft, settings, streaming_rollout) if streaming \
-                else MirrorProposer(draft, settings)
+            self._mirror = MirrorProposer(draft, settings, lookahead)
         return self._mirror
 
     def close(self) -> None:

@@ -181,14 +181,14 @@ def test_draft_raising_at_any_call(pipe, ar_tokens, mode, ok_calls):
 
 def test_streaming_draft_failure_is_a_draft_error():
     """sd with a streaming draft (an export from mirrorsd-train-draft) reports draft faults the same way."""
-    from mirrorsd.runtime.streaming import StreamingSerialDraft
+    from mirrorsd.runtime.proposers import SerialDraft
 
     class Broken:
         def __getattr__(self, name):
             raise RuntimeError("injected streaming draft failure")
 
     with pytest.raises(DraftWorkerError, match="injected streaming draft failure"):
-        StreamingSerialDraft(Broken()).propose([1, 2, 3], 4)
+        SerialDraft(Broken(), lookahead=True).propose([1, 2, 3], 4)
 
 
 def hang_on(n: int, release: threading.Event, seconds: float = 30.0):
@@ -419,7 +419,7 @@ def test_kv_cache_matches_a_list_model(capacity, seed, ops):
             kv_append(tiled, tiled_rows, 1 + b, rng)
             row, src = c % branches, min(a, tiled.length)
             count, dst = min(b, tiled.length - src), min(c, cache.length)
-            cache.adopt_row(tiled, row, src, count, dst)
+            cache.adopt_slots(tiled, row, np.arange(src, src + count), dst)
             rows[0][dst:] = tiled_rows[row][src:src + count]
         kv_check(cache, rows)
     with pytest.raises(ValueError):
