@@ -150,8 +150,8 @@ def _generate(args) -> int:
         result = pipe.generate(args.prompt, config, on_text)
     if args.json:
         print(json.dumps({"tokens": result.tokens, "text": result.text, "prompt_tokens": len(result.prompt_tokens),
-                          "stats": result.stats.to_dict(), "sampling": dataclasses.asdict(result.sampling)},
-                         indent=2))
+                          "finish_reason": result.finish_reason, "stats": result.stats.to_dict(),
+                          "sampling": dataclasses.asdict(result.sampling)}, indent=2))
     else:
         s = result.stats
         print(f"\n\n[{s.mode}] {s.new_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_second:.1f} tok/s; "

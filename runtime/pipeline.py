@@ -91,6 +91,11 @@ class GenerationResult:
     margins: list[float] = field(default_factory=list)
     sampling: SamplingParams = SamplingParams()  # what was used, seed included: pass it back to repeat the run
 
+    @property
+    def finish_reason(self) -> str:
+        """Why generation stopped: "eos" (an EOS token), "length" (max_new_tokens) or "context" (the context limit)."""
+        return self.stats.finish_reason
+
 
 class Pipeline:
     """Sessions for every graph of an export folder, and the three decoders on top of them."""
@@ -207,7 +212,7 @@ class Pipeline:
         placement = {role: p.describe() for role, p in self.placements.items()}
         stats = summarize(config.mode, outcome.counters, len(ids), len(outcome.tokens), outcome.seconds,
                           outcome.time_to_first_token_s, list(self.target_timeline.intervals),
-                          list(self.draft_timeline.intervals), placement)
+                          list(self.draft_timeline.intervals), placement, outcome.finish_reason)
         return GenerationResult(outcome.tokens, self.codec.decode(outcome.tokens), ids, stats, outcome.margins,
                                 sampling)
 
