@@ -10,11 +10,10 @@
                                                      branch (A+1, c) ready? adopt its KV + tokens (reuse)
                                                      else roll out afresh (fallback)
 Only token ids and log-probs cross between the threads (and, for the residual sampling rule, each window's q).
-At T > 0 every draft token is drawn with keyed randomness (sampling.py): a branch's window is the one a fresh
-rollout after the verdict would draw, so reuse never changes the tokens, whatever the timing.
-The worker owns the draft model and its caches; the main thread never touches them. A worker failure reaches the
-caller as DraftWorkerError; nothing busy-waits (the worker polls its inbox only between draft forwards, and blocks
-when it has nothing to do).
+Every window comes from the rollout engine (rollout.py): a branch's window is the one a fresh rollout after the
+verdict would draw, so reuse never changes the tokens, whatever the timing. The worker owns the draft model and its
+caches. A worker failure reaches the caller as DraftWorkerError; nothing busy-waits (the worker polls its inbox
+only between draft forwards, and blocks when it has nothing to do).
 """
 from __future__ import annotations
 
@@ -111,9 +110,7 @@ class DraftWorker(threading.Thread):
         if isinstance(message, _Prefill):
             self.committed = list(message.tokens)
             self.draft.reset(capacity=len(message.tokens) + 64)
-            pending = self.draft.sync_to(self.committed)
-            if pending:
-                self.draft.extend(pending)
+            self.draft.extend(self.committed)  # the prompt (never empty)
             return self.inbox.get()
         if isinstance(message, _Propose):
             self.committed = list(message.committed)
