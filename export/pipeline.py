@@ -18,29 +18,11 @@ from mirrorsd import names
 from mirrorsd.errors import ExportOptionError, OutputFolderError
 from mirrorsd.manifest import SCHEMA_VERSION, GraphSpec, Manifest, TokenizerInfo
 from mirrorsd.export.graphs import draft as draft_graph, draft_static, exit_head, prefix, suffix
+from mirrorsd.export.options import DEFAULT_TOP_K, ExportOptions
 from mirrorsd.export.quantize import check_precision
 from mirrorsd.export.streaming import graph as streaming_graph
 
 GRAPHS = (prefix, exit_head, suffix, draft_graph)  # every graph module: ROLE, MODEL, build()
-DEFAULT_TOP_K = 8
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    model: Path
-    output: Path
-    draft: Path | None = None
-    draft_layers: int | None = None
-    exit_layer: int | None = None  # default: half the target's depth
-    top_k: int = DEFAULT_TOP_K
-    force: bool = False
-    trust_remote_code: bool = False
-    static_draft: bool = False  # also write draft_static.onnx: fixed KV capacity and step width (NPUs)
-    max_context: int | None = None  # the static draft's KV slots (default: min(1024, draft positions))
-    target_precision: str = "fp32"  # fp32 | int8 | int4 (weight-only, after fp32 validation; see quantize.py)
-    draft_precision: str = "fp32"
-
-
 @dataclass(frozen=True)
 class ExportResult:
     folder: Path

@@ -24,8 +24,7 @@ import tempfile
 from pathlib import Path
 
 from mirrorsd.errors import ExportOptionError
-
-PRECISIONS = ("fp32", "int8", "int4")
+from mirrorsd.names import PRECISIONS
 BITS = {"int8": 8, "int4": 4}
 BLOCK = 32  # quantization block along K: ENVIRONMENT.md measured int4 block 32 as accurate and fast here
 PROTOBUF_LIMIT = 2 * 1024**3 - 64 * 1024**2

@@ -37,6 +37,7 @@ DRAFT_STATIC = "draft_static"  # optional: the draft with fixed shapes for NPUs 
 DRAFT_STREAMING = "draft_streaming"  # optional: the draft + n lookahead streams (mirrorsd-train-draft folder)
 OPTIONAL_ROLES = (DRAFT_STATIC, DRAFT_STREAMING)
 MANIFEST_FILE = "mirrorsd.json"
+PRECISIONS = ("fp32", "int8", "int4")  # weight precisions of a model in an export (export/quantize.py)
 TOKENIZER_DIR = "tokenizer"
 
 

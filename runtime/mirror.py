@@ -24,21 +24,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from mirrorsd.errors import DraftWorkerError
+from mirrorsd.runtime.config import MirrorSettings
 from mirrorsd.runtime.models import DraftModel
 from mirrorsd.runtime.rollout import Window, adopt, branches, fresh
 from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.verify import AcceptanceEstimate, Verdict, rank_branches, top_k_logprobs
-
-
-@dataclass(frozen=True)
-class MirrorSettings:
-    max_branches: int = 4  # branches rolled out per step at most (the cap beside the time budget)
-    branch_batch: int = 2  # branches per batched rollout
-    runner_up_k: int = 4  # the draft's own candidate tokens kept per window position
-    timeout_s: float = 120.0  # the main thread gives up on a silent worker after this long
-    budget: str = "time"  # "time": stop at the verdict (the paper's overlap budget); "cap": always roll out
-    #                       max_branches before reading the verdict (deterministic; for tests and hit-rate studies)
-    use_exit_head: bool = True  # hand the early exit's top-k to the worker (costs one LM-head pass per step)
 
 
 # Messages (main -> worker)
@@ -147,7 +137,7 @@ class DraftWorker(threading.Thread):
     def _speculate(self, window: Window):
         """Roll out branches of ``window`` until a verdict (or End/Stop) must be answered; return that message."""
         self._ready = {}
-        cap_mode = self.settings.budget == "cap"
+        cap_mode = self.settings.branch_budget == "cap"
         exit_msg, held, candidates = None, None, None
         spent: set[tuple[int, int]] = set()
         message = self._poll()
@@ -163,8 +153,8 @@ class DraftWorker(threading.Thread):
                 message = self._poll()
                 continue
             batch = []
-            if len(spent) < self.settings.max_branches:
-                room = min(self.settings.branch_batch, self.settings.max_branches - len(spent))
+            if len(spent) < self.settings.branches:
+                room = min(self.settings.branch_batch, self.settings.branches - len(spent))
                 batch = rank_branches(window.tokens, *candidates, exit_msg.ids if exit_msg else None,
                                       exit_msg.logprobs if exit_msg else None, self.acceptance.rate,
                                       frozenset(spent), room)
@@ -245,11 +235,11 @@ class MirrorProposer:
             self.worker.inbox.put(_Propose(list(committed), gamma))
         self._awaiting_window = False
         try:
-            reply = self.worker.outbox.get(timeout=self.settings.timeout_s)
+            reply = self.worker.outbox.get(timeout=self.settings.draft_timeout_s)
         except queue.Empty:
             self._active = False
             raise DraftWorkerError("The draft worker did not deliver a window",
-                                   f"no answer within {self.settings.timeout_s:.0f} s (a hung draft device?)",
+                                   f"no answer within {self.settings.draft_timeout_s:.0f} s (a hung draft device?)",
                                    "check the draft device, or raise the timeout") from None
         if isinstance(reply, _Failed):
             self._active = False
@@ -262,7 +252,7 @@ class MirrorProposer:
         return reply
 
     def exit_callback(self):
-        if not self._active or not self.settings.use_exit_head:
+        if not self._active or not self.settings.exit_head:
             return None
         inbox = self.worker.inbox
         return lambda ids, logprobs: inbox.put(_Exit(ids, logprobs))
@@ -279,7 +269,7 @@ class MirrorProposer:
         if worker is None:
             return
         worker.inbox.put(_Stop())
-        worker.join(self.settings.timeout_s if timeout is None else timeout)
+        worker.join(self.settings.draft_timeout_s if timeout is None else timeout)
         if worker.is_alive():
             self._stuck = worker  # it exits when its call returns (it finds Stop); until then it owns the draft
             raise DraftWorkerError("The draft worker did not stop", "a draft graph call is still running",
@@ -294,10 +284,10 @@ class MirrorProposer:
         """No second worker may touch the draft model while a stuck one may still write to its caches."""
         if self._stuck is None:
             return
-        self._stuck.join(self.settings.timeout_s)
+        self._stuck.join(self.settings.draft_timeout_s)
         if self._stuck.is_alive():
             raise DraftWorkerError("The previous draft worker is still inside a draft call",
-                                   f"it has not returned for {self.settings.timeout_s:g} s more, and a new worker "
-                                   "would share the draft model with it",
+                                   f"it has not returned for {self.settings.draft_timeout_s:g} s more, and a new "
+                                   "worker would share the draft model with it",
                                    "the draft device may be hung: retry later, use mode 'ar', or restart the process")
         self._stuck = None

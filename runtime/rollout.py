@@ -16,7 +16,7 @@ It advances N rows of the draft together on one cache, g tokens each:
                    masked slots. logits [N, width, vocab] -> each row's picks at its own columns
     cost           g forwards; with lookahead 1 + ceil((g - 1) / (n + 1)) when every lookahead holds, g at worst
 
-Every window token is its row's own pick at its position, drawn with the keyed randomness of sampling.py (greedy:
+Every window token is its row's own pick at its position, drawn with the keyed draws of sampling.py (greedy:
 the argmax): a branch's window is therefore exactly the one a fresh rollout after the verdict would draw (up to
 float noise between batched and one-row forwards), and lookahead changes the number of forwards, never a token.
 A hit branch is adopted by copying its row's KV slots (holes skipped) into the main cache: nothing is re-run.
