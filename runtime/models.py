@@ -128,12 +128,14 @@ class DraftModel:
         del self.cache_tokens[length:]
         self._agreed = min(self._agreed, length)
 
-    def holds(self, tokens: list[int]) -> None:
-        """Record that the main cache now holds ``tokens`` (a rollout or an adopted branch wrote its slots)."""
-        if len(tokens) != self.cache.length:
-            raise ValueError(f"the draft cache holds {self.cache.length} slots, not {len(tokens)}")
-        self.cache_tokens = [int(t) for t in tokens]
-        self._agreed = min(self._agreed, len(tokens))
+    def holds(self, start: int, tokens: list[int]) -> None:
+        """Record that main-cache slots [start, length) now hold ``tokens`` (a rollout or an adopted branch wrote
+        them; the slots before ``start`` are unchanged)."""
+        if start + len(tokens) != self.cache.length or start > len(self.cache_tokens):
+            raise ValueError(f"the draft cache holds {self.cache.length} slots, not {start} + {len(tokens)}")
+        del self.cache_tokens[start:]
+        self.cache_tokens.extend(tokens)
+        self._agreed = min(self._agreed, start)
 
 
 def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:

@@ -81,8 +81,10 @@ class _Row:
     position: int  # position of feed[0]
     context: list[int] | None  # its text through feed[-1] (read by the repetition penalty only)
     lookahead: list[int] = field(default_factory=list)
-    picks: list[tuple] = field(default_factory=list)  # (token, top ids [k], top log-probs [k], q [vocab] | None)
-    slots: list[int] = field(default_factory=list)  # cache slot of the fed token before each pick
+    tokens: list[int] = field(default_factory=list)  # its picks so far, and per pick:
+    top: list[tuple] = field(default_factory=list)  # (top ids [k], top log-probs [k]) when top_k > 0
+    probs: list[np.ndarray] = field(default_factory=list)  # q [vocab] when the sampler's drafts sample
+    slots: list[int] = field(default_factory=list)  # the cache slot of the fed token before each pick
 
 
 def fresh(draft: DraftModel, committed: list[int], gamma: int, sampler: Sampler = GREEDY, top_k: int = 0,
@@ -97,7 +99,7 @@ def fresh(draft: DraftModel, committed: list[int], gamma: int, sampler: Sampler 
     row = _Row(list(pending), start, list(committed) if sampler.needs_context else None)
     mask = np.ones((1, start), np.int64)  # [1, length]
     window, = _advance(draft, draft.cache, mask, [row], gamma, sampler, top_k, lookahead, True, None)
-    draft.holds(committed + window.tokens[:-1].tolist())
+    draft.holds(start, [*pending, *window.tokens[:-1].tolist()])
     return window
 
 
@@ -125,7 +127,7 @@ def adopt(draft: DraftModel, window: Window, committed: list[int]) -> None:
     g = len(window.tokens)
     keep = len(committed) - 1
     draft.cache.adopt_slots(window.kv.cache, window.kv.row, window.kv.slots[:g], keep)
-    draft.holds(committed + window.tokens[:g - 1].tolist())
+    draft.holds(keep, [committed[-1], *window.tokens[:g - 1].tolist()])
 
 
 def _advance(draft: DraftModel, cache: KVCache, mask: np.ndarray, rows: list[_Row], gamma: int, sampler: Sampler,
@@ -133,18 +135,22 @@ def _advance(draft: DraftModel, cache: KVCache, mask: np.ndarray, rows: list[_Ro
     """Advance ``rows`` on ``cache`` (``mask`` [rows, cache.length]) until each has ``gamma`` picks.
     ``compact``: one row on the main cache, whose rejected lookahead slots are truncated instead of masked."""
     forwards = 0
-    while any(len(row.picks) < gamma for row in rows):
+    while True:
         fed = [_fed(row, gamma) for row in rows]
         width = max(len(f) for f in fed)
-        ids = np.zeros((len(rows), width), np.int64)  # [rows, width]; padding slots are masked out
-        new_mask = np.zeros((len(rows), width), np.int64)
-        for r, f in enumerate(fed):
-            ids[r, :len(f)], new_mask[r, :len(f)] = f, 1
+        if width == 0:
+            break
+        if all(len(f) == width for f in fed):
+            ids, new_mask = np.array(fed, np.int64), np.ones((len(rows), width), np.int64)  # [rows, width]
+        else:  # padding slots are masked out
+            ids, new_mask = np.zeros((len(rows), width), np.int64), np.zeros((len(rows), width), np.int64)
+            for r, f in enumerate(fed):
+                ids[r, :len(f)], new_mask[r, :len(f)] = f, 1
         positions = np.array([row.position for row in rows], np.int64)[:, None] + np.arange(width)  # [rows, width]
         first_slot = cache.length
         mask = np.concatenate([mask, new_mask], axis=1)
         # a forward that may finish every row needs no next lookahead: the plain graph is cheaper
-        plain = not lookahead or all(len(f) - len(row.feed) + 1 >= gamma - len(row.picks)
+        plain = not lookahead or all(len(f) - len(row.feed) + 1 >= gamma - len(row.tokens)
                                      for row, f in zip(rows, fed) if f)
         if plain:
             logits, streams = draft.forward(cache, ids, mask, positions), None
@@ -156,25 +162,25 @@ def _advance(draft: DraftModel, cache: KVCache, mask: np.ndarray, rows: list[_Ro
             if not f:
                 continue
             end = ends[r]  # columns [end, width) of this row are rejected lookahead or padding
-            row.slots += list(range(first_slot + len(row.feed) - 1, first_slot + end))
-            if compact:
+            if not compact:
+                row.slots.extend(range(first_slot + len(row.feed) - 1, first_slot + end))
+                mask[r, first_slot + end:] = 0  # holes in this row
+            elif end < width:
                 cache.truncate(first_slot + end)
                 mask = mask[:, :first_slot + end]
-            else:
-                mask[r, first_slot + end:] = 0  # holes in this row
             row.position += end
             full = streams is not None and end == len(f) == width  # streams hang on the last column
             row.lookahead = greedy_tokens(streams[r]).tolist() if full else []
-            row.feed = [row.picks[-1][0]]
+            row.feed = row.tokens[-1:]
         if between is not None and between():
             return None
-    return [_window(row, forwards, None if compact else RowSlots(cache, r, np.asarray(row.slots[:gamma], np.int64)))
+    return [_window(row, forwards, None if compact else RowSlots(cache, r, np.asarray(row.slots, np.int64)))
             for r, row in enumerate(rows)]
 
 
 def _fed(row: _Row, gamma: int) -> list[int]:
     """What ``row`` feeds next: its feed, then as much lookahead as may still be needed (nothing once done)."""
-    need = gamma - len(row.picks)
+    need = gamma - len(row.tokens)
     return [*row.feed, *row.lookahead[:need - 1]] if need > 0 else []
 
 
@@ -182,33 +188,45 @@ def _pick(rows: list[_Row], fed: list[list[int]], logits: np.ndarray, positions:
           top_k: int) -> list[int]:
     """Each row's picks after its feed (logits [rows, width, vocab]); a row keeps the lookahead prefix its picks
     confirm, plus the pick after it. Returns per row the first column it does not keep."""
-    at = [(r, c) for r, (row, f) in enumerate(zip(rows, fed)) for c in range(len(row.feed) - 1, len(f))]
-    if not at:
-        return [0] * len(rows)
-    rr, cc = np.array(at).T
-    chosen = logits[rr, cc]  # [columns, vocab]
-    contexts = [rows[r].context + fed[r][len(rows[r].feed):c + 1] for r, c in at] \
+    width = logits.shape[1]
+    if all(len(f) == len(row.feed) == width for row, f in zip(rows, fed)):  # no lookahead, no padding
+        rr, cc = range(len(rows)), [width - 1] * len(rows)
+        chosen, after = logits[:, -1], positions[:, -1] + 1  # [rows, vocab], [rows]
+    else:
+        rr, cc = [], []  # the columns to pick from: each row's from its last fed token on
+        for r, (row, f) in enumerate(zip(rows, fed)):
+            columns = range(len(row.feed) - 1, len(f))
+            rr += [r] * len(columns)
+            cc += columns
+        chosen, after = logits[rr, cc], positions[rr, cc] + 1  # [columns, vocab], [columns]
+    contexts = [rows[r].context + fed[r][len(rows[r].feed):c + 1] for r, c in zip(rr, cc)] \
         if rows[0].context is not None else None
-    picks, q = sampler.draft(chosen, positions[rr, cc] + 1, contexts)  # drawn where a fresh rollout would draw
-    tids, tlps = top_k_logprobs(chosen, top_k) if top_k else (np.zeros((len(at), 0), np.int64),
-                                                              np.zeros((len(at), 0), np.float32))
+    picks, q = sampler.draft(chosen, after, contexts)  # drawn at the positions where a fresh rollout would draw
+    picks = picks.tolist()
+    top = top_k_logprobs(chosen, top_k) if top_k else None
     ends, i = [0] * len(rows), 0
     for r, (row, f) in enumerate(zip(rows, fed)):
         if not f:
             continue
         base, kept = len(row.feed) - 1, 0
-        while base + kept + 1 < len(f) and f[base + kept + 1] == int(picks[i + kept]):
+        while base + kept + 1 < len(f) and f[base + kept + 1] == picks[i + kept]:
             kept += 1
-        for c in range(i, i + kept + 1):
-            row.picks.append((int(picks[c]), tids[c], tlps[c], None if q is None else q[c]))
+        new = picks[i:i + kept + 1]
+        row.tokens += new
+        if top is not None:
+            row.top += [(top[0][c], top[1][c]) for c in range(i, i + kept + 1)]
+        if q is not None:
+            row.probs += [q[c] for c in range(i, i + kept + 1)]
         if row.context is not None:
-            row.context = row.context + [int(picks[c]) for c in range(i, i + kept + 1)]
+            row.context = row.context + new
         ends[r] = base + kept + 1
         i += len(f) - base
     return ends
 
 
 def _window(row: _Row, forwards: int, kv: RowSlots | None) -> Window:
-    tokens, top_ids, top_lps, probs = zip(*row.picks)
-    return Window(np.asarray(tokens, np.int64), np.stack(top_ids), np.stack(top_lps),
-                  None if probs[0] is None else np.stack(probs), forwards, kv=kv)
+    g = len(row.tokens)
+    top_ids, top_lps = (np.stack(t) for t in zip(*row.top)) if row.top else \
+        (np.zeros((g, 0), np.int64), np.zeros((g, 0), np.float32))
+    return Window(np.asarray(row.tokens, np.int64), top_ids, top_lps, np.stack(row.probs) if row.probs else None,
+                  forwards, kv=kv)
