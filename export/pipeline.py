@@ -18,32 +18,14 @@ from mirrorsd import names
 from mirrorsd.errors import ExportOptionError
 from mirrorsd.manifest import SCHEMA_VERSION, GraphSpec, Manifest, TokenizerInfo
 from mirrorsd.export.graphs import draft as draft_graph, draft_static, exit_head, prefix, suffix
+from mirrorsd.export.options import DEFAULT_TOP_K, ExportOptions
 from mirrorsd.export.quantize import check_precision
 from mirrorsd.export.streaming import graph as streaming_graph
 from mirrorsd.output_folder import EXPORT, StagedFolder, check_output
 
 TARGET_GRAPHS = (prefix, exit_head, suffix)  # graph modules (graphs/base.py), in validation order
 DRAFT_GRAPHS = (draft_graph,)
-DEFAULT_TOP_K = 8
 RUN_ONLY = ("output", "force", "resume", "whole_graphs")  # options that do not change the folder's content
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    model: Path
-    output: Path
-    draft: Path | None = None
-    draft_layers: int | None = None
-    exit_layer: int | None = None  # default: half the target's depth
-    top_k: int = DEFAULT_TOP_K
-    force: bool = False
-    trust_remote_code: bool = False
-    static_draft: bool = False  # also write draft_static.onnx: fixed KV capacity and step width (NPUs)
-    max_context: int | None = None  # the static draft's KV slots (default: min(1024, draft positions))
-    target_precision: str = "fp32"  # fp32 | int8 | int4 (weight-only; see quantize.py)
-    draft_precision: str = "fp32"
-    resume: bool = False  # keep the scratch folder if the run stops; continue one a stopped run kept
-    whole_graphs: bool = False  # trace each graph whole with all weights in memory (the exporter before streaming)
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 from mirrorsd.errors import ExportOptionError
+from mirrorsd.names import PRECISIONS
 
-PRECISIONS = ("fp32", "fp16", "int8", "int4")  # fp16: weights and compute in half precision (GPU targets)
 QUANTIZED = ("int8", "int4")  # what quantize_model does; fp16 graphs are traced in fp16 (templates.py)
 BITS = {"int8": 8, "int4": 4}
 BLOCK = 32  # quantization block along K: ENVIRONMENT.md measured int4 block 32 as accurate and fast here

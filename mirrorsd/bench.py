@@ -7,31 +7,32 @@ a near-tie when ``ar``'s top-2 logit margin at that position is below the oracle
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mirrorsd import specbench
 from mirrorsd.errors import GenerationInputError
+from mirrorsd.runtime.config import MODES, GenerationConfig
+from mirrorsd.specbench import Question
 
 TIE_MARGIN = 1e-3  # same threshold as the tests' tie-aware oracle
-# SpecBench's short-prompt categories. summarization and rag prompts run to ~800 tokens: their fp32 prefill alone
-# costs about a minute per prompt and mode on 2 cores, so they are opt-in (--categories) on machines like this one.
-DEFAULT_CATEGORIES = ("writing", "coding", "reasoning", "math_reasoning", "qa", "translation")
 
 
 @dataclass(frozen=True)
 class BenchOptions:
+    """What ``mirrorsd bench`` runs; the generation settings default to GenerationConfig's."""
+
     model: Path
-    modes: tuple[str, ...] = ("ar", "sd", "mirror")
-    questions: Path | None = None
-    categories: tuple[str, ...] = ()
-    per_category: int = 2
-    max_new_tokens: int = 128
-    gamma: int = 4
-    branches: int = 4
-    branch_batch: int = 2
+    modes: tuple[str, ...] = MODES
+    questions: Path | None = None  # SpecBench question.jsonl (default: specbench.default_path())
+    categories: tuple[str, ...] = ()  # default: specbench.DEFAULT_CATEGORIES
+    per_category: int = 2  # the first N of each category (<= specbench.HOLDOUT: prompts no trainer trained on)
+    max_new_tokens: int = GenerationConfig.max_new_tokens
+    gamma: int = GenerationConfig.gamma
+    branches: int = GenerationConfig.branches
+    branch_batch: int = GenerationConfig.branch_batch
     target_threads: int | None = None
     draft_threads: int | None = None
     output: Path = Path("bench_out")
@@ -65,9 +66,7 @@ class BenchResult:
 
 
 VARIANTS = {  # bench mode name -> GenerationConfig fields
-    "ar": {"mode": "ar"},
-    "sd": {"mode": "sd"},
-    "mirror": {"mode": "mirror"},
+    **{mode: {"mode": mode} for mode in MODES},
     "mirror-noexit": {"mode": "mirror", "exit_head": False},  # draft runner-ups only: no exit-head pass
     "mirror-cap": {"mode": "mirror", "branch_budget": "cap"},  # every step rolls out all branches
     # more branches per step in wider batches (3 rows cost little more than 2 for a bandwidth-bound int4 draft)
@@ -101,18 +100,6 @@ def variant(mode: str) -> dict:
     return VARIANTS[mode]
 
 
-def default_questions() -> Path:
-    env = os.environ.get("MIRRORSD_SPEC_BENCH")
-    candidates = [Path(env)] if env else []
-    here = Path(__file__).resolve()
-    candidates += [p / "shared" / "data" / "spec_bench" / "question.jsonl" for p in here.parents]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise GenerationInputError("SpecBench questions not found", "no question.jsonl beside the project",
-                               "pass --questions PATH or set MIRRORSD_SPEC_BENCH")
-
-
 def check_options(options: BenchOptions) -> None:
     """What can be checked before anything loads: the modes."""
     if not options.modes:
@@ -120,46 +107,6 @@ def check_options(options: BenchOptions) -> None:
                                    "pass for example --modes ar,sd,mirror")
     for mode in options.modes:
         variant(mode)
-
-
-def read_question_rows(path: Path) -> list[dict]:
-    """SpecBench's question.jsonl: one JSON object a line with question_id, category and turns."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise GenerationInputError(f"Cannot read the questions file '{path}'", str(exc),
-                                   "pass --questions PATH to a SpecBench question.jsonl") from None
-    rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            row, why = None, f"line {number} is not JSON ({exc.msg})"
-        else:
-            why = f"line {number} lacks question_id, category or turns"
-        if not (isinstance(row, dict) and {"question_id", "category", "turns"} <= set(row)
-                and isinstance(row["turns"], list) and row["turns"] and isinstance(row["turns"][0], str)):
-            raise GenerationInputError(f"'{path}' is not a SpecBench question file", why,
-                                       "pass --questions PATH to a SpecBench question.jsonl")
-        rows.append(row)
-    return rows
-
-
-def load_questions(path: Path, categories: tuple[str, ...], per_category: int) -> list[dict]:
-    """The first ``per_category`` questions of each category, in file order (a fixed subset), first turn only."""
-    rows = read_question_rows(path)
-    available = list(dict.fromkeys(r["category"] for r in rows))
-    wanted = categories or tuple(c for c in DEFAULT_CATEGORIES if c in available) or tuple(available)
-    unknown = set(wanted) - set(available)
-    if unknown:
-        raise GenerationInputError(f"Unknown SpecBench categories {sorted(unknown)}",
-                                   f"the file has {', '.join(available)}", "pick from those")
-    picked = []
-    for category in wanted:
-        picked += [r for r in rows if r["category"] == category][:per_category]
-    return picked
 
 
 def run_bench(options: BenchOptions, progress=True) -> BenchResult:
@@ -170,7 +117,8 @@ def run_bench(options: BenchOptions, progress=True) -> BenchResult:
     from mirrorsd.peers import is_peer_mode
 
     check_options(options)  # unknown modes fail before anything loads
-    questions = load_questions(options.questions or default_questions(), options.categories, options.per_category)
+    questions = specbench.first_per_category(specbench.read(options.questions), options.categories,
+                                             options.per_category)
     result = BenchResult(options, machine=_machine())
     baseline = _baseline_pass(options, questions, progress) if options.baseline_threads else {}
     ours = [m for m in options.modes if not is_peer_mode(m)]
@@ -185,13 +133,13 @@ def run_bench(options: BenchOptions, progress=True) -> BenchResult:
     if peers:
         _peer_passes(options, peers, questions, prompt_ids, manifest, outs, progress)
     for question in questions:
-        qid = question["question_id"]
+        qid = question.question_id
         if qid not in prompt_ids:
             continue
         runs = {**outs.get(qid, {}), **baseline.get(qid, {})}
         reference = runs.get("ar")
         for mode, out in runs.items():
-            run = PromptRun(qid, question["category"], mode, out.tokens, _stats_dict(out))
+            run = PromptRun(qid, question.category, mode, out.tokens, _stats_dict(out))
             if reference is not None and mode != "ar":
                 run.parity = classify_parity(reference.tokens, out.tokens, reference.margins)
             result.runs.append(run)
@@ -221,7 +169,8 @@ def _stats_dict(out) -> dict:
     return out.stats if isinstance(out.stats, dict) else out.stats.to_dict()
 
 
-def _own_pass(options: BenchOptions, modes: list[str], questions: list[dict], result: BenchResult, progress: bool):
+def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question], result: BenchResult,
+              progress: bool):
     """mirrorsd's own modes; returns (outputs by question and mode, prompt ids by question, manifest)."""
     from tqdm import tqdm
 
@@ -249,16 +198,16 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[dict], re
                     pipe.generate("Say hello.", GenerationConfig(**{**config.__dict__, "max_new_tokens": 8}))
         bar = tqdm(total=len(questions) * len(configs), disable=not progress or not configs, desc="bench", unit="gen")
         for i, question in enumerate(questions):
-            ids = pipe.encode(question["turns"][0], encode_config)
+            ids = pipe.encode(question.text, encode_config)
             if len(ids) + options.max_new_tokens > pipe.context_limit:
-                result.skipped.append(question["question_id"])  # does not fit the exported context
+                result.skipped.append(question.question_id)  # does not fit the exported context
                 bar.update(len(configs))
                 continue
-            prompt_ids[question["question_id"]] = ids
+            prompt_ids[question.question_id] = ids
             for mode in rotated(list(configs), i):
                 config = configs[mode]
                 run = config(ids) if isinstance(config, _NativeRun) else pipe.generate(ids, config)
-                outs.setdefault(question["question_id"], {})[mode] = run
+                outs.setdefault(question.question_id, {})[mode] = run
                 bar.update(1)
         bar.close()
         manifest = pipe.manifest
@@ -295,7 +244,7 @@ def _native_model(options: BenchOptions, modes: list[str]):
                        draft_threads=options.draft_threads or threads)
 
 
-def _peer_passes(options: BenchOptions, modes: list[str], questions: list[dict], prompt_ids: dict, manifest,
+def _peer_passes(options: BenchOptions, modes: list[str], questions: list[Question], prompt_ids: dict, manifest,
                  outs: dict, progress: bool) -> None:
     """Each peer family loaded once, warmed up, run on every prompt (its modes in rotating order), then closed."""
     from tqdm import tqdm
@@ -317,10 +266,10 @@ def _peer_passes(options: BenchOptions, modes: list[str], questions: list[dict],
                 for mode in family_modes:
                     peer.generate(mode, warm, 8, options.gamma)
             bar = tqdm(total=len(prompt_ids) * len(family_modes), disable=not progress, desc=family, unit="gen")
-            for i, question in enumerate(q for q in questions if q["question_id"] in prompt_ids):
-                ids = prompt_ids[question["question_id"]]
+            for i, question in enumerate(q for q in questions if q.question_id in prompt_ids):
+                ids = prompt_ids[question.question_id]
                 for mode in rotated(family_modes, i):
-                    outs.setdefault(question["question_id"], {})[mode] = peer.generate(
+                    outs.setdefault(question.question_id, {})[mode] = peer.generate(
                         mode, ids, options.max_new_tokens, options.gamma)
                     bar.update(1)
             bar.close()
@@ -328,7 +277,7 @@ def _peer_passes(options: BenchOptions, modes: list[str], questions: list[dict],
             peer.close()
 
 
-def _baseline_pass(options: BenchOptions, questions: list[dict], progress: bool) -> dict:
+def _baseline_pass(options: BenchOptions, questions: list[Question], progress: bool) -> dict:
     """``ar`` (and ``sd`` when asked for) with ``baseline_threads`` threads per session, in their own pipeline
     (sessions cannot change thread counts): reported as ``ar-Nt`` / ``sd-Nt``. Serial modes never run two sessions
     at once, so on a CPU these are their best settings; Mirror-SD's two concurrent sessions split the cores."""
@@ -348,10 +297,10 @@ def _baseline_pass(options: BenchOptions, questions: list[dict], progress: bool)
             for config in configs.values():
                 pipe.generate("Say hello.", GenerationConfig(**{**config.__dict__, "max_new_tokens": 8}))
         for i, question in enumerate(tqdm(questions, disable=not progress, desc=f"{n} threads", unit="prompt")):
-            prompt = question["turns"][0]
+            prompt = question.text
             if len(pipe.encode(prompt, GenerationConfig(chat=chat))) + options.max_new_tokens > pipe.context_limit:
                 continue
-            outs[question["question_id"]] = {name: pipe.generate(prompt, configs[name])
+            outs[question.question_id] = {name: pipe.generate(prompt, configs[name])
                                              for name in rotated(list(configs), i)}
     return outs
 

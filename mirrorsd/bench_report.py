@@ -147,7 +147,7 @@ def spec_bench_answers(result: BenchResult) -> list[dict]:
         answers.append({
             "question_id": run.question_id, "category": run.category, "model_id": f"mirrorsd-{run.mode}",
             "choices": [{"index": 0, "turns": [run.tokens], "new_tokens": [run.stats["new_tokens"]],
-                         "wall_time": [run.stats["seconds"]],
+                         "wall_time": [run.stats["seconds"]], "finish_reason": [run.stats["finish_reason"]],
                          "mean_accepted_tokens": run.stats["mean_accepted_tokens"]}],
             "parity": run.parity, "tstamp": time.time()})
     return answers

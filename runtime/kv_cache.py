@@ -71,10 +71,6 @@ class KVCache:
         out.length = self.length
         return out
 
-    def adopt_row(self, other: "KVCache", row: int, src_start: int, count: int, dst_start: int) -> None:
-        """Copy ``count`` slots of ``other``'s ``row`` from ``src_start`` into row 0 here at ``dst_start``."""
-        self.adopt_slots(other, row, np.arange(src_start, src_start + count), dst_start)
-
     def adopt_slots(self, other: "KVCache", row: int, slots: np.ndarray, dst_start: int) -> None:
         """Copy ``other``'s ``row`` at the given slot indices (in order; a streamed branch row has holes between
         them) into row 0 here, contiguous from ``dst_start``; slots after them are dropped."""

@@ -123,6 +123,21 @@ class DraftModel:
         self.cache_tokens.extend(int(t) for t in tokens)
         return logits
 
+    def truncate(self, length: int) -> None:
+        """Drop main-cache slots from ``length`` on."""
+        self.cache.truncate(length)
+        del self.cache_tokens[length:]
+        self._agreed = min(self._agreed, length)
+
+    def holds(self, start: int, tokens: list[int]) -> None:
+        """Record that main-cache slots [start, length) now hold ``tokens`` (a rollout or an adopted branch wrote
+        them; the slots before ``start`` are unchanged)."""
+        if start + len(tokens) != self.cache.length or start > len(self.cache_tokens):
+            raise ValueError(f"the draft cache holds {self.cache.length} slots, not {start} + {len(tokens)}")
+        del self.cache_tokens[start:]
+        self.cache_tokens.extend(tokens)
+        self._agreed = min(self._agreed, start)
+
 
 def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
     """Length of the common prefix of ``a`` and ``b``, given that the first ``start`` items are known equal."""

@@ -19,69 +19,17 @@ from mirrorsd import names
 from mirrorsd.errors import GenerationInputError
 from mirrorsd.manifest import Manifest, load_manifest
 from mirrorsd.runtime import limits
+from mirrorsd.runtime.config import GenerationConfig
 from mirrorsd.runtime.decoder import DecodeSettings, decode
-from mirrorsd.runtime.mirror import MirrorProposer, MirrorSettings
+from mirrorsd.runtime.mirror import MirrorProposer
 from mirrorsd.runtime.models import TargetModel
 from mirrorsd.runtime.proposers import SerialDraft, TargetOnly
-from mirrorsd.runtime.sampling import RULES, Sampler, SamplingParams
+from mirrorsd.runtime.sampling import Sampler, SamplingParams
 from mirrorsd.runtime.session import GraphSession, Timeline, graph_path
 from mirrorsd.runtime.static_cache import StaticDraftModel, draft_model
-from mirrorsd.runtime.streaming import StreamingSerialDraft, streaming_draft, streaming_rollout
+from mirrorsd.runtime.streaming import streaming_draft
 from mirrorsd.runtime.stats import GenerationStats, summarize
 from mirrorsd.runtime.text import StreamDecoder, TextCodec
-
-MODES = ("ar", "sd", "mirror")
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """Knobs of one generation. Defaults: Mirror-SD, gamma 4, up to 4 branches per step in batches of 2."""
-
-    mode: str = "mirror"
-    max_new_tokens: int = 128
-    gamma: int = 4  # draft window length (tokens proposed per step)
-    branches: int = 4  # Mirror-SD: branches rolled out per step at most
-    branch_batch: int = 2  # Mirror-SD: branches per batched draft rollout
-    runner_up_k: int = 4  # Mirror-SD: the draft's own candidate tokens per position
-    branch_budget: str = "time"  # Mirror-SD: "time" (until the verdict) or "cap" (always `branches`)
-    exit_head: bool = True  # Mirror-SD: send the early exit's top-k to the draft (off: draft runner-ups only)
-    chat: bool = True  # apply the chat template to a text prompt
-    system: str | None = None
-    record_margins: bool = False
-    on_draft_failure: str = "raise"  # or "fallback": continue target-only, counted in statistics
-    draft_timeout_s: float = 120.0
-    # Sampling, as in transformers' generation config. None = the export's generation defaults (its model's
-    # generation_config.json), then transformers' own defaults. Greedy unless do_sample (temperature 0 = greedy).
-    do_sample: bool | None = None
-    temperature: float | None = None
-    top_k: int | None = None  # 0 = off
-    top_p: float | None = None  # 1 = off
-    repetition_penalty: float | None = None  # 1 = off
-    seed: int | None = None  # None: a fresh seed, reported in GenerationResult.sampling (the same seed = same tokens)
-    verify: str = "exact"  # sd/mirror at T > 0: "exact" (target draws, draft must match) or "residual" (p/q rule)
-    streaming: bool = True  # sd/mirror: draft with the export's streaming draft (draft_streaming) when it has one
-
-    def check(self) -> None:
-        if self.mode not in MODES:
-            raise GenerationInputError(f"Unknown mode '{self.mode}'", f"modes are {', '.join(MODES)}", "pick one")
-        for name in ("max_new_tokens", "gamma", "branches", "branch_batch", "runner_up_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise GenerationInputError(f"{name} must be a positive integer, got {value!r}",
-                                           "it counts tokens or branches", f"pass {name} >= 1")
-        if self.branch_budget not in ("time", "cap"):
-            raise GenerationInputError(f"branch_budget '{self.branch_budget}' is unknown",
-                                       "it is 'time' or 'cap'", "pick one")
-        if self.on_draft_failure not in ("raise", "fallback"):
-            raise GenerationInputError(f"on_draft_failure '{self.on_draft_failure}' is unknown",
-                                       "it is 'raise' or 'fallback'", "pick one")
-        if not isinstance(self.draft_timeout_s, (int, float)) or not self.draft_timeout_s > 0:  # NaN fails too
-            raise GenerationInputError(f"draft_timeout_s must be a positive number of seconds, got "
-                                       f"{self.draft_timeout_s!r}", "it bounds each wait for the draft worker",
-                                       "pass a value such as 120")
-        if self.verify not in RULES:
-            raise GenerationInputError(f"verify '{self.verify}' is unknown", f"it is {' or '.join(RULES)}", "pick one")
-
 
 @dataclass(frozen=True)
 class GenerationResult:
@@ -91,6 +39,11 @@ class GenerationResult:
     stats: GenerationStats
     margins: list[float] = field(default_factory=list)
     sampling: SamplingParams = SamplingParams()  # what was used, seed included: pass it back to repeat the run
+
+    @property
+    def finish_reason(self) -> str:
+        """Why generation stopped: "eos" (an EOS token), "length" (max_new_tokens) or "context" (the context limit)."""
+        return self.stats.finish_reason
 
 
 class Pipeline:
@@ -216,7 +169,7 @@ class Pipeline:
         placement = {role: p.describe() for role, p in self.placements.items()}
         stats = summarize(config.mode, outcome.counters, len(ids), len(outcome.tokens), outcome.seconds,
                           outcome.time_to_first_token_s, list(self.target_timeline.intervals),
-                          list(self.draft_timeline.intervals), placement)
+                          list(self.draft_timeline.intervals), placement, outcome.finish_reason)
         return GenerationResult(outcome.tokens, self.codec.decode(outcome.tokens), ids, stats, outcome.margins,
                                 sampling)
 
@@ -224,17 +177,14 @@ class Pipeline:
         if config.mode == "ar":
             return TargetOnly()
         streaming = self.streaming_draft if config.streaming else None
+        draft, lookahead = (streaming, True) if streaming else (self.draft, False)  # the streams are lookahead
         if config.mode == "sd":
-            return StreamingSerialDraft(streaming) if streaming else SerialDraft(self.draft)
-        settings = MirrorSettings(max_branches=config.branches, branch_batch=config.branch_batch,
-                                  runner_up_k=config.runner_up_k, timeout_s=config.draft_timeout_s,
-                                  budget=config.branch_budget, use_exit_head=config.exit_head)
-        draft = streaming or self.draft
+            return SerialDraft(draft, lookahead)
+        settings = config.mirror
         if self._mirror is None or self._mirror.settings != settings or self._mirror.draft is not draft:
             if self._mirror is not None:
                 self._mirror.close()
-            self._mirror = MirrorProposer(draft, settings, streaming_rollout) if streaming \
-                else MirrorProposer(draft, settings)
+            self._mirror = MirrorProposer(draft, settings, lookahead)
         return self._mirror
 
     def close(self) -> None:

@@ -1,11 +1,11 @@
-"""Sampling (T > 0): transformers' logits processors in NumPy, keyed randomness, and the Sampler that the decode loop
+"""Sampling (T > 0): transformers' logits processors in NumPy, keyed draws, and the Sampler that the decode loop
 and every draft share. Greedy decoding is the Sampler's plain path: argmax of the raw logits, as before.
 
     logits -> repetition penalty -> [do_sample: temperature -> top-k -> top-p] -> softmax = p
               (the order of transformers' _get_logits_processor; as there, the penalty applies to greedy too)
 
-Keyed randomness. Every random decision reads one uniform u(seed, stream, n): n is the absolute position (prompt
-included) of the token being decided, the stream says what it decides. Nothing is advanced, so no draw depends on
+Keyed draws. Every random decision reads one uniform u(seed, draw, n): n is the absolute position (prompt
+included) of the token being decided, the draw kind says what it decides. Nothing is advanced, so no draw depends on
 how many draws happened before it.
     TARGET  the target's draw at n (exact rule, ar, the bonus) or the residual resample at n (residual rule)
     ACCEPT  the accept/reject coin for the draft token at n (residual rule)
@@ -49,7 +49,7 @@ from mirrorsd.errors import GenerationInputError
 from mirrorsd.runtime.verify import (Verdict, greedy_tokens, inverse_cdf, verify_exact_sampled, verify_greedy,
                                      verify_residual)
 
-TARGET, ACCEPT, DRAFT = 0, 1, 2  # uniform streams (see the module docstring)
+TARGET, ACCEPT, DRAFT = 0, 1, 2  # the kinds of keyed draw (see the module docstring)
 MIN_TEMPERATURE = 1e-6  # logits / T stays finite in float32 for any logit below 3e32 (colder: use 0, greedy)
 UNIFORM_BLOCK = 256  # uniforms are made 256 positions at a time: one generator per block, not per draw
 # What a key missing from an export's generation defaults means: transformers' GenerationConfig defaults.
@@ -173,15 +173,15 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4096)
-def _uniform_block(seed: int, stream: int, block: int) -> np.ndarray:
-    out = np.random.default_rng([seed, stream, block]).random(UNIFORM_BLOCK)
+def _uniform_block(seed: int, draw: int, block: int) -> np.ndarray:
+    out = np.random.default_rng([seed, draw, block]).random(UNIFORM_BLOCK)
     out.flags.writeable = False
     return out
 
 
-def uniforms(seed: int, stream: int, positions) -> np.ndarray:
-    """u(seed, stream, n) in [0, 1) for each position n: independent across (seed, stream, n), never advanced."""
-    return np.array([_uniform_block(seed, stream, int(n) // UNIFORM_BLOCK)[int(n) % UNIFORM_BLOCK]
+def uniforms(seed: int, draw: int, positions) -> np.ndarray:
+    """u(seed, draw, n) in [0, 1) for each position n: independent across (seed, draw kind, n), never advanced."""
+    return np.array([_uniform_block(seed, draw, int(n) // UNIFORM_BLOCK)[int(n) % UNIFORM_BLOCK]
                      for n in positions], np.float64)
 
 

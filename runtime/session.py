@@ -1,7 +1,6 @@
 """One wrapper per graph session: owns the backend session, reads names from the manifest, keeps timings."""
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +16,6 @@ class Timeline:
     """Busy intervals of one device (perf_counter seconds), appended by the thread that runs it."""
 
     intervals: list[tuple[float, float]] = field(default_factory=list)
-
-    def busy(self) -> float:
-        return sum(b - a for a, b in self.intervals)
 
     def clear(self) -> None:
         self.intervals.clear()
@@ -37,14 +33,11 @@ class GraphSession:
         if missing:
             raise GraphFileError(f"Graph '{spec.file}' lacks inputs the manifest names: {sorted(missing)[:4]}",
                                  "the ONNX file and mirrorsd.json do not belong together", "re-export the folder")
-        self.calls = 0
-        self._lock = threading.Lock()
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         start = time.perf_counter()
         outputs = self.backend.run(feeds)
         self.timeline.intervals.append((start, time.perf_counter()))
-        self.calls += 1
         return outputs
 
 

@@ -56,6 +56,7 @@ class GenerationStats:
     draft_busy_s: float
     draft_hidden_s: float
     overlap_ratio: float
+    finish_reason: str  # "eos" (an EOS token), "length" (max_new_tokens), "context" (the context limit)
     placement: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -79,7 +80,8 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
 
 
 def summarize(mode: str, counters: StepCounters, prompt_tokens: int, new_tokens: int, seconds: float,
-              ttft: float, target_busy: list, draft_busy: list, placement: dict[str, str]) -> GenerationStats:
+              ttft: float, target_busy: list, draft_busy: list, placement: dict[str, str],
+              finish_reason: str) -> GenerationStats:
     decode_time = max(seconds - ttft, 1e-9)
     draft_time = sum(e - s for s, e in draft_busy)
     hidden = overlap_seconds(draft_busy, target_busy)
@@ -96,4 +98,5 @@ def summarize(mode: str, counters: StepCounters, prompt_tokens: int, new_tokens:
         draft_forwards_per_window=counters.draft_forwards / counters.windows if counters.windows else 0.0,
         branches_rolled_out=counters.branches_rolled_out, draft_failures=counters.draft_failures,
         target_busy_s=sum(e - s for s, e in target_busy), draft_busy_s=draft_time, draft_hidden_s=hidden,
-        overlap_ratio=hidden / draft_time if draft_time > 0 else 0.0, placement=dict(placement))
+        overlap_ratio=hidden / draft_time if draft_time > 0 else 0.0, finish_reason=finish_reason,
+        placement=dict(placement))

@@ -136,6 +136,23 @@ def top2_margin(logits: np.ndarray) -> np.ndarray:
     return part[..., -1] - part[..., -2]
 
 
+@dataclass
+class AcceptanceEstimate:
+    """Running per-token acceptance probability: accepted / (accepted + rejections), exponentially decayed."""
+
+    accepted: float = 7.0  # prior: 0.7 with the weight of a few steps
+    rejected: float = 3.0
+    decay: float = 0.95
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def update(self, verdict: Verdict) -> None:
+        self.accepted = self.decay * self.accepted + verdict.accepted
+        self.rejected = self.decay * self.rejected + (0 if verdict.bonus else 1)
+
+
 @dataclass(frozen=True)
 class Branch:
     depth: int  # 1..g+1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from mirrorsd.bench import default_questions, load_questions
+from mirrorsd import specbench
 from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import GenerationConfig, Pipeline
 
@@ -23,7 +23,7 @@ def main() -> None:
     parser.add_argument("--temperatures", default="1.0,0.7")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
-    questions = load_questions(default_questions(), (), 1)[: args.prompts]
+    questions = specbench.first_per_category(specbench.read(), (), 1)[: args.prompts]
     configs = [("ar", "exact"), ("sd", "exact"), ("sd", "residual"), ("mirror", "exact"), ("mirror", "residual")]
     print("| T | mode | rule | tok/s | speedup | acceptance | mean accepted | reuse | same tokens as ar |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -34,7 +34,7 @@ def main() -> None:
             for i, q in enumerate(questions):
                 ar_tokens = None
                 for mode, rule in configs:
-                    out = pipe.generate(q["turns"][0], GenerationConfig(
+                    out = pipe.generate(q.text, GenerationConfig(
                         mode=mode, verify=rule, max_new_tokens=args.tokens, do_sample=True,
                         temperature=temperature, top_k=0, top_p=1.0, seed=args.seed + i))
                     ar_tokens = out.tokens if mode == "ar" else ar_tokens

@@ -88,9 +88,11 @@ def test_stops_at_eos_and_context_like_python(exported, tmp_path, native_build):
         copy = edited_copy(folder, tmp_path / reason, edit)
         with Pipeline.load(copy) as pipe, NativeModel(copy, native_build.library) as native:
             for mode in ("ar", "sd", "mirror"):
-                want = pipe.generate(PROMPTS[0], GenerationConfig(mode=mode, max_new_tokens=NEW)).tokens
+                result = pipe.generate(PROMPTS[0], GenerationConfig(mode=mode, max_new_tokens=NEW))
+                want = result.tokens
                 got = native.generate(PROMPTS[0], mode=mode, max_new_tokens=NEW)
                 assert got.tokens == want and got.stats["finish_reason"] == reason, (reason, mode)
+                assert result.finish_reason == reason, (reason, mode)  # Python says why it stopped, as C++ does
                 expected = reference.index(eos) + 1 if reason == "eos" else 17 - len(PROMPTS[0])
                 assert len(got.tokens) == expected, (reason, mode)
 

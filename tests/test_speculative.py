@@ -127,3 +127,33 @@ def test_draft_failure_can_fall_back_to_target_only(exported):
                                                          on_draft_failure="fallback"))
         assert out.tokens == ar and out.stats.draft_failures == 1
     assert not draft_threads()
+
+
+def test_finish_reason_says_why_each_mode_stopped(drafts, capsys):
+    """eos: the budget is not used up and the last token is an EOS id; length: max_new_tokens tokens; context: the
+    prompt and the output fill the exported context. The same in every mode, in the result, its stats and --json."""
+    import dataclasses
+    import json
+
+    from mirrorsd.cli import main
+    from mirrorsd.runtime import Pipeline
+
+    with Pipeline.load(drafts["truncated"]) as pipe:
+        free = pipe.generate(PROMPTS[1], GenerationConfig(mode="ar", max_new_tokens=24)).tokens
+        stop = next(t for i, t in enumerate(free) if i >= 5 and t not in free[:i])  # first seen after 5 tokens
+        long_prompt = [(7 * i) % 300 + 3 for i in range(pipe.context_limit - 6)]
+        for mode in ("ar", "sd", "mirror"):
+            out = pipe.generate(PROMPTS[1], GenerationConfig(mode=mode, max_new_tokens=9, gamma=3))
+            assert (out.finish_reason, out.stats.finish_reason, len(out.tokens)) == ("length", "length", 9)
+            out = pipe.generate(long_prompt, GenerationConfig(mode=mode, max_new_tokens=40, gamma=3))
+            assert out.finish_reason == "context" and len(long_prompt) + len(out.tokens) == pipe.context_limit
+        tokenizer = dataclasses.replace(pipe.manifest.tokenizer, eos_token_ids=(stop,))
+        pipe.manifest = dataclasses.replace(pipe.manifest, tokenizer=tokenizer)  # this pipeline's EOS: `stop`
+        for mode in ("ar", "sd", "mirror"):
+            out = pipe.generate(PROMPTS[1], GenerationConfig(mode=mode, max_new_tokens=24, gamma=3))
+            assert out.finish_reason == "eos" and out.tokens == free[:free.index(stop) + 1], mode
+    assert main(["generate", "--model", str(drafts["truncated"]), "--prompt", "Hi", "--max-new-tokens", "3",
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["finish_reason"] == printed["stats"]["finish_reason"] in ("eos", "length")
+    assert (printed["finish_reason"] == "length") == (len(printed["tokens"]) == 3)

@@ -191,19 +191,20 @@ def test_trained_streams_need_fewer_draft_forwards(folders, pipelines):
 
 
 def test_streaming_rollout_matches_draft_rollout(folders, pipelines):
-    from mirrorsd.runtime.proposers import draft_rollout
-    from mirrorsd.runtime.streaming import streaming_rollout
+    from mirrorsd.runtime.rollout import fresh
 
     pipe = pipelines(folders["weak"])
     for committed in PROMPTS:
         pipe.draft.reset(capacity=len(committed) + 64)
         pipe.streaming_draft.reset(capacity=len(committed) + 64)
-        want = draft_rollout(pipe.draft, committed, 6, 3)
-        got = streaming_rollout(pipe.streaming_draft, committed, 6, 3)
+        want = fresh(pipe.draft, committed, 6, top_k=3)
+        got = fresh(pipe.streaming_draft, committed, 6, top_k=3, lookahead=True)
         assert got.tokens.tolist() == want.tokens.tolist() and got.top_ids.tolist() == want.top_ids.tolist()
-        assert 1 <= got.forwards <= 6
+        assert want.forwards == 6 and 1 <= got.forwards <= 6
         assert pipe.streaming_draft.cache_tokens == committed + got.tokens[:-1].tolist()  # draft_rollout's state
         assert pipe.streaming_draft.cache.length == len(committed) + 5
+        assert pipe.draft.cache_tokens == committed + want.tokens[:-1].tolist()
+        assert pipe.draft.cache.length == len(committed) + 5
 
 
 @pytest.mark.parametrize("kind", ["cyclic", "weak"])
@@ -211,29 +212,30 @@ def test_streamed_branch_rollouts_match_plain_ones(kind, folders, pipelines):
     """Mirror's branch rollouts with the streaming draft: per branch the same tokens and candidates as the plain
     draft's rollout (the lookahead only saves forwards), and adopting a streamed branch (its KV sits in the row
     with holes between) leaves the main cache as adopting the plain branch does."""
-    from mirrorsd.runtime.mirror import DraftWorker, MirrorSettings, _Window
-    from mirrorsd.runtime.proposers import draft_rollout
+    from mirrorsd.runtime.rollout import adopt, branches, fresh
+    from mirrorsd.runtime.sampling import GREEDY
     from mirrorsd.runtime.verify import Branch
 
     pipe = pipelines(folders[kind])
-    settings, g = MirrorSettings(runner_up_k=3), 5
+    g = 5
     for committed in PROMPTS:
         ready, forwards, adopted = {}, {}, {}
         for name, draft in (("plain", pipe.draft), ("streamed", pipe.streaming_draft)):
             draft.reset(capacity=len(committed) + 64)
-            rollout = draft_rollout(draft, committed, g, 3)
+            rollout = fresh(draft, committed, g, top_k=3)
             draft.extend([int(rollout.tokens[-1])])  # the worker's extend: main cache = committed + window
-            worker = DraftWorker(draft, settings)
-            worker.committed = list(committed)
-            window = _Window(rollout.tokens, rollout.top_ids, rollout.top_logprobs, len(committed))
             batch = [Branch(1, int(rollout.top_ids[0, 1]), 0.0), Branch(3, int(rollout.top_ids[2, 1]), 0.0),
                      Branch(g + 1, 7, 0.0)]
-            assert worker._roll_out(window, batch, abandon=False) is None
-            ready[name] = worker._ready
-            forwards[name] = worker.counters.forwards_since_verdict
+            calls = []
+            rows = branches(draft, committed, rollout.tokens, batch, GREEDY, 3, name == "streamed",
+                            lambda: calls.append(1) and False)
+            assert rows is not None and len(calls) == rows[0].forwards
+            ready[name] = {(b.depth, b.token): row for b, row in zip(batch, rows)}
+            forwards[name] = rows[0].forwards
             hit = ready[name][(3, batch[1].token)]  # adopt branch (3, v): keep committed + window[:2], then v ...
-            keep = len(committed) + 2
-            draft.cache.adopt_slots(hit.cache, hit.row, hit.slots, keep)
+            now = committed + rollout.tokens[:2].tolist() + [batch[1].token]
+            adopt(draft, hit, now)
+            assert draft.cache.length == len(now) + g - 1 and draft.cache_tokens == now + hit.tokens[:-1].tolist()
             adopted[name] = [k[0, :, :draft.cache.length].copy() for k in draft.cache.keys]
         for key, plain in ready["plain"].items():
             streamed = ready["streamed"][key]
@@ -244,6 +246,39 @@ def test_streamed_branch_rollouts_match_plain_ones(kind, folders, pipelines):
             assert a.shape == b.shape and np.abs(a - b).max() < 1e-4
     if kind == "cyclic":
         assert forwards["streamed"] < g  # trained streams must save forwards on the cycle
+
+
+@pytest.mark.parametrize("kind", ["cyclic", "weak"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_branch_is_the_window_a_fresh_rollout_after_the_verdict_draws(kind, sampled, folders, pipelines):
+    """What makes reuse lossless: branch (d, v), rolled out before the verdict in a batch with other branches,
+    holds the tokens (and the q they were drawn from) of a fresh one-row rollout from committed + window[:d-1] + v,
+    with and without lookahead, greedy or with keyed draws. A rollout told to stop between forwards gives nothing."""
+    from mirrorsd.runtime.rollout import branches, fresh
+    from mirrorsd.runtime.sampling import GREEDY, Sampler, SamplingParams
+    from mirrorsd.runtime.verify import Branch
+
+    pipe = pipelines(folders[kind])
+    sampler = Sampler(SamplingParams(do_sample=True, temperature=0.9, seed=3, verify="residual")) if sampled \
+        else GREEDY
+    g = 4
+    for committed in PROMPTS[:3]:
+        for lookahead, draft in ((False, pipe.draft), (True, pipe.streaming_draft)):
+            draft.reset(capacity=len(committed) + 64)
+            window = fresh(draft, committed, g, sampler, 3, lookahead)
+            draft.extend([int(window.tokens[-1])])
+            batch = [Branch(d, int(window.top_ids[d - 1, 1]), 0.0) for d in (1, 2, 4)] + [Branch(g + 1, 9, 0.0)]
+            assert branches(draft, committed, window.tokens, batch, sampler, 3, lookahead, lambda: True) is None
+            rows = branches(draft, committed, window.tokens, batch, sampler, 3, lookahead)
+            reference = pipe.draft  # plain, one row, from scratch
+            for branch, row in zip(batch, rows):
+                after = committed + window.tokens[:branch.depth - 1].tolist() + [branch.token]
+                reference.reset(capacity=len(after) + 64)
+                want = fresh(reference, after, g, sampler, 3)
+                assert row.tokens.tolist() == want.tokens.tolist(), (kind, sampled, lookahead, branch)
+                assert (row.probs is None) == (want.probs is None) == (not sampled)
+                if sampled:
+                    np.testing.assert_allclose(row.probs, want.probs, atol=1e-5)
 
 
 def test_int4_streaming_draft_quantizes_both_heads_and_stays_lossless(folders, tmp_path):

@@ -24,51 +24,64 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mirrorsd import flags
+    from mirrorsd.export.streaming.options import METHODS, TrainOptions as T
+
     parser = argparse.ArgumentParser(prog="mirrorsd-train-draft", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     models = parser.add_argument_group("models")
-    models.add_argument("--draft", required=True, type=Path, help="the draft to fine-tune (HF folder or .gguf)")
-    models.add_argument("--target", required=True, type=Path,
-                        help="the target whose greedy answers are learned: a model (HF folder, .gguf, pinned name; "
-                             "run by PyTorch) or a mirrorsd export folder (run by ONNX Runtime: faster on a CPU)")
-    models.add_argument("--output", "-o", required=True, type=Path, help="folder for the streaming draft")
+    flags.add(models, T, "draft", required=True, type=Path, help="the draft to fine-tune (HF folder or .gguf)")
+    flags.add(models, T, "target", required=True, type=Path,
+              help="the target whose greedy answers are learned: a model (HF folder, .gguf, pinned name; run by "
+                   "PyTorch) or a mirrorsd export folder (run by ONNX Runtime: faster on a CPU)")
+    flags.add(models, T, "output", "--output", "-o", required=True, type=Path, help="folder for the streaming draft")
     streams = parser.add_argument_group("streams")
-    streams.add_argument("--streams", type=int, default=2, metavar="N",
-                         help="lookahead streams n: tokens per draft forward = 1 + n (default 2, the paper's)")
-    streams.add_argument("--stream-layers", type=int, default=4, metavar="M",
-                         help="top layers that carry the streams and are trained (default 4)")
-    streams.add_argument("--method", choices=("lora", "top", "full"), default="lora",
-                         help="lora: adapters on the stream layers (default); top: train those layers' weights; "
-                              "full: train every weight (slow, memory x4)")
-    streams.add_argument("--lora-rank", type=int, default=16)
-    streams.add_argument("--lora-alpha", type=float, default=32.0)
+    flags.add(streams, T, "streams", metavar="N",
+              help="lookahead streams n: tokens per draft forward = 1 + n (default %(default)s, the paper's)")
+    flags.add(streams, T, "stream_layers", metavar="M",
+              help="top layers that carry the streams and are trained (default %(default)s)")
+    flags.add(streams, T, "method", choices=METHODS,
+              help="lora: adapters on the stream layers (default); top: train those layers' weights; "
+                   "full: train every weight (slow, memory x4)")
+    flags.add(streams, T, "lora_rank")
+    flags.add(streams, T, "lora_alpha")
     dat = parser.add_argument_group("data (the target's greedy answers, cached in OUTPUT)")
-    dat.add_argument("--prompts", type=Path, help="SpecBench question.jsonl (default: the project's shared copy)")
-    dat.add_argument("--train-prompts", type=int, default=64, help="training questions (0: all of them)")
-    dat.add_argument("--eval-prompts", type=int, default=8, help="held-out questions scored before and after")
-    dat.add_argument("--holdout", type=int, default=5,
-                     help="the first N questions of every category are never trained on (mirrorsd bench uses 2)")
-    dat.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts")
-    dat.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
-    dat.add_argument("--generation-batch", type=int, default=8, help="prompts per batched target generation")
+    flags.add(dat, T, "prompts", type=Path,
+              help="SpecBench question.jsonl (default: the project's shared copy, or $MIRRORSD_SPEC_BENCH)")
+    flags.add(dat, T, "train_prompts", type=int, help="training questions (0: all of them)")
+    flags.add(dat, T, "eval_prompts", help="held-out questions scored before and after")
+    flags.add(dat, T, "holdout",
+              help="the first N questions of every category are never trained on (default %(default)s, the rule of "
+                   "mirrorsd.specbench; mirrorsd bench takes the first 2)")
+    flags.add(dat, T, "max_prompt_tokens", help="skip longer prompts")
+    flags.add(dat, T, "max_new_tokens", help="length of the target's answers")
+    flags.add(dat, T, "generation_batch", help="prompts per batched target generation")
     opt = parser.add_argument_group("optimisation")
-    opt.add_argument("--epochs", type=float, default=3.0)
-    opt.add_argument("--max-steps", type=int, help="optimizer steps (overrides --epochs)")
-    opt.add_argument("--max-minutes", type=float,
-                     help="stop after this many minutes of optimizer steps, then save and evaluate (the target's "
-                          "answers and the frozen-layer pass come before and are not counted)")
-    opt.add_argument("--lr", type=float, default=5e-4)
-    opt.add_argument("--warmup-steps", type=int, default=10)
-    opt.add_argument("--anchors", type=int, default=32, help="stream anchor positions per sample and step")
-    opt.add_argument("--grad-accum", type=int, default=1, help="samples per optimizer step")
-    opt.add_argument("--seed", type=int, default=0)
-    opt.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    flags.add(opt, T, "epochs")
+    flags.add(opt, T, "max_steps", type=int, help="optimizer steps (overrides --epochs)")
+    flags.add(opt, T, "max_minutes", type=float,
+              help="stop after this many minutes of optimizer steps, then save and evaluate (the target's answers "
+                   "and the frozen-layer pass come before and are not counted)")
+    flags.add(opt, T, "lr")
+    flags.add(opt, T, "warmup_steps")
+    flags.add(opt, T, "anchors", help="stream anchor positions per sample and step")
+    flags.add(opt, T, "grad_accum", help="samples per optimizer step")
+    flags.add(opt, T, "seed")
+    flags.add(opt, T, "threads", type=int, help="torch threads (default: torch's choice)")
     run = parser.add_argument_group("run")
-    run.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (0: only at the end)")
-    run.add_argument("--resume", action="store_true", help="continue the training saved in OUTPUT")
-    run.add_argument("--force", action="store_true", help="start over in a non-empty OUTPUT (cached answers kept)")
-    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    flags.add(run, T, "save_every", help="checkpoint every N steps (0: only at the end)")
+    flags.add(run, T, "resume", help="continue the training saved in OUTPUT")
+    flags.add(run, T, "force", help="start over in a non-empty OUTPUT (cached answers kept)")
+    flags.add(run, T, "progress", "--no-progress", help="no progress bars")
     return parser
+
+
+def train_options(args):
+    """The TrainOptions that the flags ask for (--train-prompts 0: every training question)."""
+    from mirrorsd import flags
+    from mirrorsd.export.streaming.options import TrainOptions
+
+    return flags.build(TrainOptions, args, train_prompts=args.train_prompts or None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,18 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args) -> int:
-    from mirrorsd.export.streaming.train import TrainOptions, train
+    from mirrorsd.export.streaming.train import train
 
-    options = TrainOptions(
-        draft=args.draft, target=args.target, output=args.output, prompts=args.prompts, streams=args.streams,
-        stream_layers=args.stream_layers, method=args.method, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-        train_prompts=args.train_prompts or None, eval_prompts=args.eval_prompts, holdout=args.holdout,
-        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-        generation_batch=args.generation_batch, epochs=args.epochs, max_steps=args.max_steps,
-        max_minutes=args.max_minutes, lr=args.lr, warmup_steps=args.warmup_steps, anchors=args.anchors,
-        grad_accum=args.grad_accum, save_every=args.save_every, seed=args.seed, threads=args.threads,
-        resume=args.resume, force=args.force, progress=not args.no_progress)
-    result = train(options)
+    result = train(train_options(args))
     c = result.config
     print(f"streaming draft written to {result.folder}: {c.streams} streams on layers "
           f"{c.first_streamed_layer}..{c.num_layers - 1}, {c.method}, {result.steps} steps in {result.seconds:.0f} s "

@@ -1,9 +1,8 @@
 """Distillation data: SpecBench prompts answered greedily by the target, split by category position, cached.
 
     question.jsonl --first turn, chat template--> prompt ids --target greedy--> completion ids
-    split:  the first ``holdout`` questions of every category (file order) -> evaluation, the rest -> training.
-            ``mirrorsd bench`` takes its prompts from the first 2 of each category, so with holdout >= 2 the
-            benchmark never sees a training prompt. The split depends on the file only (fixed across runs).
+    split:  mirrorsd.specbench's hold-out rule: the first ``holdout`` questions of every category (file order) ->
+            evaluation, the rest -> training; it depends on the file only (fixed across runs).
 The answers are written as JSON lines (``distill-train.jsonl``, ``distill-eval.jsonl`` in the output folder), so a
 resumed training never regenerates them.
 """
@@ -15,7 +14,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mirrorsd.errors import ExportOptionError
+from mirrorsd.specbench import Question
 
 
 @dataclass(frozen=True)
@@ -27,37 +26,6 @@ class Sample:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.completion
-
-
-@dataclass(frozen=True)
-class Question:
-    question_id: str
-    text: str
-
-
-def read_questions(path: Path, holdout: int) -> tuple[list[Question], list[Question]]:
-    """(training, evaluation) questions of a SpecBench-style question.jsonl (first turn of each)."""
-    train, held = [], []
-    seen: dict[str, int] = {}
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise ExportOptionError(f"Cannot read the prompt file {path}", str(exc),
-                                "pass --prompts with a SpecBench question.jsonl") from exc
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            question = Question(str(row["question_id"]), str(row["turns"][0]))
-            category = str(row.get("category", ""))
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
-            raise ExportOptionError(f"Line {number} of {path} is not a SpecBench question",
-                                    f"{type(exc).__name__}: {exc}",
-                                    'each line needs {"question_id": ..., "turns": ["..."]}') from exc
-        seen[category] = seen.get(category, 0) + 1
-        (held if seen[category] <= holdout else train).append(question)
-    return train, held
 
 
 def pick(questions: list[Question], count: int | None, seed: int) -> list[Question]:
@@ -75,7 +43,7 @@ def encode(tokenizer, questions: list[Question], max_prompt_tokens: int) -> list
                                             tokenize=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         if len(ids) <= max_prompt_tokens:
-            out.append((q.question_id, [int(t) for t in ids]))
+            out.append((str(q.question_id), [int(t) for t in ids]))
     return out
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mirrorsd import specbench
 from mirrorsd.errors import ExportOptionError, OutputFolderError
 from mirrorsd.export.streaming import checkpoint, data
 from mirrorsd.export.streaming.evaluate import evaluate, sample_inputs
@@ -29,8 +30,8 @@ from mirrorsd.export.streaming.lora import add_adapters, merge_adapters
 from mirrorsd.runtime.limits import cores
 from mirrorsd.export.streaming.model import (EMBEDDINGS_FILE, EMBEDDINGS_KEY, STREAM_LOSS_WEIGHT, STREAMING_FILE,
                                              StreamingConfig, StreamingDraft)
+from mirrorsd.export.streaming.options import METHODS, TrainOptions
 
-METHODS = ("lora", "top", "full")
 EMBEDDING_LR_SCALE = 10.0  # Adam moves a weight by ~lr per step whatever its size; the stream embeddings live at
 #                            the residual stream's scale (about 1), far above adapter weights, so they get 10x
 GRAD_CLIP = 1.0
@@ -38,38 +39,6 @@ DISTILL_KEYS = ("target", "prompts", "train_prompts", "eval_prompts", "holdout",
                 "max_new_tokens", "seed")  # the cached answers are reused only while these are unchanged
 RESUME_KEYS = DISTILL_KEYS + ("draft", "streams", "stream_layers", "method", "lora_rank", "lora_alpha", "lr",
                               "warmup_steps", "anchors", "grad_accum")
-
-
-@dataclass(frozen=True)
-class TrainOptions:
-    draft: Path
-    target: Path
-    output: Path
-    prompts: Path | None = None  # SpecBench question.jsonl (default: the project's shared copy)
-    streams: int = 2  # the paper's n_s (ALGORITHM.md); a g-token window needs >= 1 + ceil((g-1)/(n+1)) forwards
-    stream_layers: int = 4
-    method: str = "lora"
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
-    train_prompts: int | None = 64  # None: every training question
-    eval_prompts: int = 8
-    holdout: int = 5  # the first N questions of every category are held out for evaluation
-    max_prompt_tokens: int = 384
-    max_new_tokens: int = 128
-    generation_batch: int = 8
-    epochs: float = 3.0
-    max_steps: int | None = None  # optimizer steps; overrides epochs
-    max_minutes: float | None = None  # stop (and save) after this much optimizer-step time (data not counted)
-    lr: float = 5e-4
-    warmup_steps: int = 10
-    anchors: int = 32  # stream anchor positions per sample and step (each carries all n streams)
-    grad_accum: int = 1
-    save_every: int = 25
-    seed: int = 0
-    threads: int | None = None
-    resume: bool = False
-    force: bool = False
-    progress: bool = True
 
 
 @dataclass
@@ -275,8 +244,7 @@ def _distill_data(options: TrainOptions, output: Path, log) -> tuple[list[data.S
     if meta_path.is_file() and all(f.is_file() for f in files) and json.loads(meta_path.read_text()) == meta:
         log("reusing the target's cached answers")
         return data.load_samples(files[0]), data.load_samples(files[1])
-    prompts_path = options.prompts or _default_prompts()
-    train_q, held_q = data.read_questions(prompts_path, options.holdout)
+    train_q, held_q = specbench.held_out(specbench.read(options.prompts, "--prompts"), options.holdout)
     log(f"loading target {options.target}")
     target = _target(options)
     sets = []
@@ -385,12 +353,6 @@ def _target(options: TrainOptions):
     from mirrorsd.export.loading import load_model
 
     return data.TorchTarget(load_model(options.target), options.max_new_tokens)
-
-
-def _default_prompts() -> Path:
-    from mirrorsd.bench import default_questions
-
-    return default_questions()
 
 
 def _brief(metrics: dict) -> str:

@@ -1,0 +1,25 @@
+"""The options of ``mirrorsd-export``, defined once: the CLI takes its flags' defaults from here (no torch needed)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TOP_K = 8
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    model: Path
+    output: Path
+    draft: Path | None = None
+    draft_layers: int | None = None
+    exit_layer: int | None = None  # default: half the target's depth
+    top_k: int = DEFAULT_TOP_K
+    force: bool = False
+    trust_remote_code: bool = False
+    static_draft: bool = False  # also write draft_static.onnx: fixed KV capacity and step width (NPUs)
+    max_context: int | None = None  # the static draft's KV slots (default: min(1024, draft positions))
+    target_precision: str = "fp32"  # fp32 | fp16 | int8 | int4 (weight-only; see quantize.py)
+    draft_precision: str = "fp32"
+    resume: bool = False  # keep the scratch folder if the run stops; continue one a stopped run kept
+    whole_graphs: bool = False  # trace each graph whole with all weights in memory (the exporter before streaming)

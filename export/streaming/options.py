@@ -1,0 +1,42 @@
+"""The options of ``mirrorsd-train-draft``, defined once: the CLI takes its flags' defaults from here (no torch
+needed)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mirrorsd.specbench import HOLDOUT
+
+METHODS = ("lora", "top", "full")  # what trains: adapters on the stream layers | those layers | every weight
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    draft: Path
+    target: Path
+    output: Path
+    prompts: Path | None = None  # SpecBench question.jsonl (default: the project's shared copy)
+    streams: int = 2  # the paper's n_s (ALGORITHM.md); a g-token window needs >= 1 + ceil((g-1)/(n+1)) forwards
+    stream_layers: int = 4
+    method: str = "lora"
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    train_prompts: int | None = 64  # None: every training question
+    eval_prompts: int = 8
+    holdout: int = HOLDOUT  # the first N questions of every category are held out (mirrorsd.specbench)
+    max_prompt_tokens: int = 384
+    max_new_tokens: int = 128
+    generation_batch: int = 8
+    epochs: float = 3.0
+    max_steps: int | None = None  # optimizer steps; overrides epochs
+    max_minutes: float | None = None  # stop (and save) after this much optimizer-step time (data not counted)
+    lr: float = 5e-4
+    warmup_steps: int = 10
+    anchors: int = 32  # stream anchor positions per sample and step (each carries all n streams)
+    grad_accum: int = 1
+    save_every: int = 25
+    seed: int = 0
+    threads: int | None = None
+    resume: bool = False
+    force: bool = False
+    progress: bool = True

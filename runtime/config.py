@@ -1,0 +1,87 @@
+"""The settings of one generation, each defined once: here. The CLI and the bench take their flags' defaults and
+choices from these classes.
+
+    GenerationConfig   what ``Pipeline.generate`` reads: mode, budget, window, sampling, ... and the Mirror-SD
+                       settings it inherits from MirrorSettings (the same names on the command line: --branches ->
+                       branches)
+    MirrorSettings     the part the Mirror-SD draft worker reads (``GenerationConfig.mirror``)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from mirrorsd.errors import GenerationInputError
+from mirrorsd.runtime.sampling import RULES
+
+MODES = ("ar", "sd", "mirror")  # target only; draft then verify; draft branches while the target verifies
+BRANCH_BUDGETS = ("time", "cap")
+DRAFT_FAILURE = ("raise", "fallback")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MirrorSettings:
+    branches: int = 4  # branches rolled out per step at most (the cap beside the time budget)
+    branch_batch: int = 2  # branches per batched draft rollout
+    runner_up_k: int = 4  # the draft's own candidate tokens kept per window position
+    branch_budget: str = "time"  # "time": stop at the verdict (the paper's overlap budget); "cap": always roll out
+    #                              `branches` before reading the verdict (deterministic; tests and hit-rate studies)
+    exit_head: bool = True  # hand the early exit's top-k to the worker (costs one LM-head pass per step)
+    draft_timeout_s: float = 120.0  # the main thread gives up on a silent worker after this long
+
+    def check(self) -> None:
+        for name in ("branches", "branch_batch", "runner_up_k"):
+            _check_count(self, name)
+        _check_choice(self, "branch_budget", BRANCH_BUDGETS)
+        if not isinstance(self.draft_timeout_s, (int, float)) or not self.draft_timeout_s > 0:  # NaN fails too
+            raise GenerationInputError(f"draft_timeout_s must be a positive number of seconds, got "
+                                       f"{self.draft_timeout_s!r}", "it bounds each wait for the draft worker",
+                                       "pass a value such as 120")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig(MirrorSettings):
+    """Knobs of one generation. Defaults: Mirror-SD, gamma 4, up to 4 branches per step in batches of 2."""
+
+    mode: str = "mirror"
+    max_new_tokens: int = 128
+    gamma: int = 4  # draft window length (tokens proposed per step)
+    chat: bool = True  # apply the chat template to a text prompt
+    system: str | None = None
+    record_margins: bool = False
+    on_draft_failure: str = "raise"  # or "fallback": continue target-only, counted in statistics
+    # Sampling, as in transformers' generation config. None = the export's generation defaults (its model's
+    # generation_config.json), then transformers' own defaults. Greedy unless do_sample (temperature 0 = greedy).
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_k: int | None = None  # 0 = off
+    top_p: float | None = None  # 1 = off
+    repetition_penalty: float | None = None  # 1 = off
+    seed: int | None = None  # None: a fresh seed, reported in GenerationResult.sampling (the same seed = same tokens)
+    verify: str = "exact"  # sd/mirror at T > 0: "exact" (target draws, draft must match) or "residual" (p/q rule)
+    streaming: bool = True  # sd/mirror: draft with the export's streaming draft (draft_streaming) when it has one
+
+    @property
+    def mirror(self) -> MirrorSettings:
+        """The Mirror-SD part, as the draft worker gets it."""
+        return MirrorSettings(**{f.name: getattr(self, f.name) for f in fields(MirrorSettings)})
+
+    def check(self) -> None:
+        _check_choice(self, "mode", MODES)
+        for name in ("max_new_tokens", "gamma"):
+            _check_count(self, name)
+        super().check()
+        _check_choice(self, "on_draft_failure", DRAFT_FAILURE)
+        _check_choice(self, "verify", tuple(RULES))
+
+
+def _check_count(config, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GenerationInputError(f"{name} must be a positive integer, got {value!r}",
+                                   "it counts tokens or branches", f"pass {name} >= 1")
+
+
+def _check_choice(config, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in choices:
+        raise GenerationInputError(f"{name} '{value}' is unknown", f"it is one of {', '.join(choices)}", "pick one")
