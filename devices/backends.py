@@ -14,6 +14,7 @@ overlap.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -26,6 +27,51 @@ import numpy as np
 from mirrorsd.errors import DeviceError, GraphFileError
 
 
+ATTENTION_MODES = ("fused", "exact-softmax", "as-exported")
+KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
+
+
+@dataclass(frozen=True)
+class OpenVINOTuning:
+    """How the OpenVINO runtime computes one graph, beyond device, threads and precision (devices/openvino_graph.py;
+    scripts/openvino_target.py measures each choice).
+
+    attention     "fused": one ScaledDotProductAttention op per attention (the plugin's attention kernel);
+                  "exact-softmax": the exported ops with a row-invariant softmax; "as-exported": untouched
+    stateful      KV pairs become state inside the request (graphs with KV only; the runtime then keeps a
+                  StateCache, and a rollback trims the state)
+    kv_precision  what a stateful cache stores: "f32", "f16", "bf16" or "u8" (the plugin's default)
+    dynamic_quantization_group_size
+                  int8 activations for compressed (int4/int8) weights, per group of this many inputs; None = the
+                  plugin's default (32 on CPU), 0 = off (f32 activations, about 2x slower)
+    """
+
+    attention: str = "as-exported"  # the bare default changes nothing; DeviceRequest holds the measured choices
+    stateful: bool = False
+    kv_precision: str = "f32"
+    dynamic_quantization_group_size: int | None = None
+
+    def check(self) -> None:
+        if self.attention not in ATTENTION_MODES:
+            raise DeviceError(f"Unknown OpenVINO attention mode '{self.attention}'",
+                              f"modes are {', '.join(ATTENTION_MODES)}", "pick one")
+        if self.kv_precision not in KV_PRECISIONS:
+            raise DeviceError(f"Unknown KV precision '{self.kv_precision}'", f"they are {', '.join(KV_PRECISIONS)}",
+                              "pick one")
+
+    def inexact(self) -> str:
+        """Why a target computed this way would not verify a window as it decodes one row ("" when it would).
+        Measured on Qwen2.5-Coder-1.5B int4 (scripts/openvino_target.py); each reason is one of those results."""
+        if self.attention == "as-exported":
+            return "the plugin's Softmax sums a row in an order that depends on the window (0.29 logits with int8 " \
+                   "activations)"
+        if self.attention == "fused" and not self.stateful:
+            return "the plugin's attention kernel for several query rows differs from its one-row kernel"
+        if self.stateful and self.kv_precision == "u8":
+            return "a u8 cache is re-quantized when a rejected window is trimmed"
+        return ""
+
+
 @dataclass(frozen=True)
 class SessionSettings:
     """How to run one graph: the device request and the host threads it may use."""
@@ -34,6 +80,8 @@ class SessionSettings:
     threads: int = 1
     precision: str = "f32"  # OpenVINO inference precision hint; ONNX Runtime CPU is always f32
     fixed_shapes: bool = False  # compile one static-shape variant per input shape seen (what an NPU needs)
+    openvino: OpenVINOTuning = OpenVINOTuning()
+    kv_pairs: tuple[tuple[str, str], ...] = ()  # (past input, present output) names; a stateful graph needs them
 
 
 class BackendSession(Protocol):
@@ -138,7 +186,8 @@ class OpenVINOSession:
     Dynamic graphs (the KV inputs grow every step) compile once with their dynamic axes. With
     ``settings.fixed_shapes`` every distinct set of input shapes gets its own static compile (``Model.reshape``),
     which is what an NPU requires; the static-shape draft only ever shows one or two shapes (batch 1 for the main
-    cache, the branch batch for rollouts), so this stays a handful of compiles.
+    cache, the branch batch for rollouts), so this stays a handful of compiles. ``settings.openvino`` rewrites the
+    graph at load (devices/openvino_graph.py); a stateful session keeps the KV in its request (see ``trim_state``).
     """
 
     MAX_VARIANTS = 4  # static compiles kept per graph; more means the graph's shapes are not really fixed
@@ -149,6 +198,7 @@ class OpenVINOSession:
         except ImportError as exc:
             raise DeviceError("The OpenVINO runtime is not installed", str(exc),
                               "pip install 'mirrorsd[openvino]', or pick an onnxruntime device") from exc
+        settings.openvino.check()
         self.path, self.settings = path, settings
         self.core = ov.Core()
         try:
@@ -156,20 +206,58 @@ class OpenVINOSession:
         except Exception as exc:  # noqa: BLE001 - OpenVINO raises RuntimeError with the parser's message
             raise GraphFileError(f"OpenVINO could not read '{path.name}'", _first_line(exc),
                                  "the file may be truncated or damaged: re-export the folder") from exc
-        self._inputs = [p.get_any_name() for p in self.model.inputs]
+        self._inputs = [p.get_any_name() for p in self.model.inputs]  # as exported (a stateful graph hides its KV)
+        # the rewrites were measured on the CPU plugin only: other devices get the graph as exported
+        self.tuned = settings.device.split(".")[0].upper() == "CPU" and not settings.fixed_shapes
+        self.stateful = self.tuned and settings.openvino.stateful and bool(settings.kv_pairs)
+        self.state_length = 0  # slots held by a stateful session's state
+        self.rewrites = self._rewrite(self.model, settings.openvino)
         self._variants: dict[tuple, tuple] = {}  # input shapes -> (compiled model, request, output names)
         self._lock = threading.Lock()
         self.effective = settings.device
         if not settings.fixed_shapes:
             self._variants[()] = self._compile(self.model)
+            if self.stateful and self.rewrites.get("fused_attention", 0) > _cached_attention(self._variants[()][0]):
+                self._recompile_without_fusion()
         else:  # compile batch 1 now, so that a device that cannot take the graph fails at load, not mid-generation
             ones = {p.get_any_name(): [d.get_length() if d.is_static else 1 for d in p.get_partial_shape()]
                     for p in self.model.inputs}
             self._variant({name: np.empty(shape, np.int8) for name, shape in ones.items()})
 
+    def _recompile_without_fusion(self) -> None:
+        """The plugin did not take a fused attention's cache into it (a pattern it does not know): its attention would
+        then run several query rows through another kernel than one row. Fall back to the exact softmax."""
+        import warnings
+
+        warnings.warn(f"{self.path.name}: OpenVINO did not fuse every attention with its cache; using the exact "
+                      "softmax instead (slower, still exact)", RuntimeWarning, stacklevel=3)
+        self.model = self.core.read_model(str(self.path))
+        exact = dataclasses.replace(self.settings.openvino, attention="exact-softmax")
+        self.rewrites = self._rewrite(self.model, exact)
+        self._variants[()] = self._compile(self.model)
+
+    def _rewrite(self, model, tuning: OpenVINOTuning) -> dict[str, int]:
+        """Apply ``tuning`` to the graph; how many attentions / softmaxes / KV pairs each rewrite took."""
+        from mirrorsd.devices import openvino_graph as graph
+
+        done = {}
+        if not self.tuned:
+            return done
+        # fused attention is exact only with the cache inside it: a graph opened without its KV pairs keeps its ops
+        if tuning.attention == "fused" and (self.stateful or not tuning.stateful):
+            done["fused_attention"] = graph.fused_attention(model)
+        if tuning.attention != "as-exported":
+            done["row_invariant_softmax"] = graph.row_invariant_softmax(model)  # whatever was not fused
+        if self.stateful:
+            graph.make_stateful(model, dict(self.settings.kv_pairs))
+            done["state_pairs"] = len(self.settings.kv_pairs)
+        return done
+
     def config(self) -> dict[str, str]:
-        """Compile options: f32 compute where numbers are compared (CPU/GPU default to bf16/f16), thread count."""
+        """Compile options: f32 compute where numbers are compared (CPU/GPU default to bf16/f16), thread count, and
+        on CPU the tuning's KV cache precision (used by stateful attention only) and dynamic quantization group."""
         device = self.settings.device.split(".")[0].upper()
+        tuning = self.settings.openvino
         config = {"PERFORMANCE_HINT": "LATENCY"}
         if device in ("CPU", "GPU") and self.settings.precision:
             config["INFERENCE_PRECISION_HINT"] = self.settings.precision
@@ -178,6 +266,9 @@ class OpenVINOSession:
             config["NUM_STREAMS"] = "1"
             config["ENABLE_HYPER_THREADING"] = "NO"
             config["CPU_RUNTIME_CACHE_CAPACITY"] = str(CPU_RUNTIME_CACHE_SHAPES)
+            config["KV_CACHE_PRECISION"] = tuning.kv_precision
+            if tuning.dynamic_quantization_group_size is not None:
+                config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(tuning.dynamic_quantization_group_size)
         return config
 
     def _compile(self, model) -> tuple:
@@ -209,13 +300,60 @@ class OpenVINOSession:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with self._lock:  # one InferRequest per variant: calls from two threads must not interleave
             _, request, outputs = self._variant(feeds)
+            if self.stateful:
+                from mirrorsd.devices.openvino_graph import BEAM_INPUT
+
+                first = feeds[self._inputs[0]]  # [B, S, ...]
+                feeds = {**feeds, BEAM_INPUT: np.arange(first.shape[0], dtype=np.int32)}  # no reordering
             # infer releases the GIL. Inputs are borrowed for the call (no copy of contiguous KV buffers);
             # outputs are copied out, since the request's own buffers are reused by the next call.
             result = request.infer(feeds, share_inputs=True, share_outputs=False)
+            if self.stateful:
+                self.state_length += first.shape[1]
             return {name: result[i] for i, name in enumerate(outputs)}
 
     def input_names(self) -> list[str]:
         return list(self._inputs)
+
+    def compiled_model(self):
+        """The compiled model of a dynamic-shape session (the first static variant of a fixed-shape one)."""
+        return next(iter(self._variants.values()))[0]
+
+    # ---- stateful sessions: the KV cache lives in the request ----------------------------------------------------
+    def reset_state(self) -> None:
+        """Empty every state; the next call's batch sets the state's batch."""
+        with self._lock:
+            self._variants[()][1].reset_state()
+            self.state_length = 0
+
+    def trim_state(self, length: int) -> None:
+        """Keep the first ``length`` slots of every state (a rejected window's slots go).
+
+        OpenVINO has no in-place trim: each state is read, sliced and written back (what OpenVINO GenAI does too),
+        moving the kept KV twice (measured: ~5 ms for both target graphs at 150 slots, f32). An f16/bf16 cache
+        survives the round trip bit for bit (f32 holds every value); a u8 cache is re-quantized from its dequantized
+        values and changes, so the runtime refuses u8 for the target (OpenVINOTuning.inexact).
+        """
+        import openvino as ov
+
+        if not 0 <= length <= self.state_length:
+            raise ValueError(f"cannot trim a state of {self.state_length} slots to {length}")
+        with self._lock:
+            if length == self.state_length:
+                return
+            for state in self._variants[()][1].query_state():
+                kept = np.ascontiguousarray(state.state.data[:, :, :length])  # [B, h, length, D]
+                state.state = ov.Tensor(kept)
+            self.state_length = length
+
+
+def _cached_attention(compiled) -> int:
+    """Attention nodes of a compiled model that read their KV from state (the plugin's cache-fused attention)."""
+    count = 0
+    for node in compiled.get_runtime_model().get_ordered_ops():
+        kinds = [i.get_source_output().get_node().get_rt_info()["layerType"].astype(str) for i in node.inputs()]
+        count += node.get_rt_info()["layerType"].astype(str) == "ScaledDotProductAttention" and "MemoryInput" in kinds
+    return count
 
 
 BACKENDS = {"onnxruntime": OrtSession, "ort-openvino": OrtPluginSession, "openvino": OpenVINOSession}

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mirrorsd import names
-from mirrorsd.devices.backends import BACKENDS, OrtSession, SessionSettings
+from mirrorsd.devices.backends import BACKENDS, OpenVINOTuning, OrtSession, SessionSettings
 from mirrorsd.devices.probe import PLUGIN_EP, DeviceReport, probe
 from mirrorsd.errors import DeviceError
 
@@ -72,6 +72,12 @@ class DeviceRequest:
     target_threads: int | None = None
     draft_threads: int | None = None
     static_draft: bool = False  # run the fixed-shape draft graph even where the device does not need it
+    # How the OpenVINO CPU plugin computes each model's graphs (ignored elsewhere), measured by
+    # scripts/openvino_target.py (docs/performance.md): the target's is the fastest setting that keeps sd/mirror
+    # equal to ar (stateful, fused attention, f16 cache: 22.8-23.2 decode tok/s vs 18.6-19.4 as exported, Qwen 1.5B
+    # int4, 2 threads); the draft's exactness does not matter and fusing its attention did not make it faster.
+    target_openvino: OpenVINOTuning = OpenVINOTuning(attention="fused", stateful=True, kv_precision="f16")
+    draft_openvino: OpenVINOTuning = OpenVINOTuning(attention="as-exported")
 
 
 @dataclass(frozen=True)
@@ -293,8 +299,11 @@ class Placement:
         return f"{self.backend}:{self.effective}{shapes}{note}"
 
 
-def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, decision: Decision | None = None):
+def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, decision: Decision | None = None,
+               kv=None):
     """Open one graph for ``model`` as decided (or as the request says); returns (backend session, Placement).
+
+    ``kv`` (the graph's KVSpec) names its past/present pairs, which a stateful OpenVINO session turns into state.
 
     After opening, what really runs the graph is compared with the choice: ONNX Runtime moves a graph to its CPU
     provider silently when the accelerator cannot take it. An explicit device then fails; ``auto`` records it.
@@ -304,8 +313,13 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
         decision = PlacementPolicy().decide(model, asked)
         _warn(decision)
     choice = decision.choice
+    tuning = request.target_openvino if model == "target" else request.draft_openvino
+    tuning.check()
+    if model == "target" and choice.backend == "openvino" and tuning.inexact():
+        raise DeviceError("The OpenVINO settings asked for the target would make sd/mirror differ from ar",
+                          tuning.inexact(), "use the default DeviceRequest.target_openvino")
     settings = SessionSettings(choice.device, threads, "f32", fixed_shapes=decision.static and
-                               choice.backend == "openvino")
+                               choice.backend == "openvino", openvino=tuning, kv_pairs=kv_pairs(kv))
     session = BACKENDS[choice.backend](path, settings)
     fell_back, reason = decision.fell_back, decision.reason
     lost = _lost_device(choice, session.effective)
@@ -317,6 +331,14 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
         warnings.warn(f"{model}: {lost}", DeviceFallbackWarning, stacklevel=2)
     return session, Placement(model, decision.requested, session.effective, choice.backend, fell_back, reason,
                               decision.static)
+
+
+def kv_pairs(kv) -> tuple[tuple[str, str], ...]:
+    """(past input, present output) names of every KV pair of a graph's KVSpec (none for ``None``)."""
+    if kv is None:
+        return ()
+    return tuple((past % i, present % i) for i in kv.layer_indices()
+                 for past, present in ((kv.past_key, kv.present_key), (kv.past_value, kv.present_value)))
 
 
 def _lost_device(choice: DeviceChoice, effective: str) -> str:

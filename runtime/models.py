@@ -13,6 +13,7 @@ from mirrorsd import names
 from mirrorsd.runtime.kv_cache import KVCache
 from mirrorsd.runtime.limits import check_finite
 from mirrorsd.runtime.session import GraphSession
+from mirrorsd.runtime.state_cache import target_cache
 
 ExitCallback = Callable[[np.ndarray, np.ndarray], None]  # (topk_ids [S, k], topk_logprobs [S, k])
 
@@ -31,8 +32,8 @@ class TargetModel:
 
     def __init__(self, prefix: GraphSession, exit_head: GraphSession, suffix: GraphSession) -> None:
         self.prefix, self.exit_head, self.suffix = prefix, exit_head, suffix
-        self.prefix_cache = KVCache(prefix.spec.kv)
-        self.suffix_cache = KVCache(suffix.spec.kv)
+        self.prefix_cache = target_cache(prefix)
+        self.suffix_cache = target_cache(suffix)
         self._hidden_name = prefix.output_names[0]
         self._logits_name = suffix.output_names[0]
         self._topk_ids, self._topk_logprobs = exit_head.output_names[:2]
@@ -42,8 +43,8 @@ class TargetModel:
         return self.prefix_cache.length
 
     def reset(self, batch: int = 1, capacity: int = 64) -> None:
-        self.prefix_cache = KVCache(self.prefix.spec.kv, batch, capacity)
-        self.suffix_cache = KVCache(self.suffix.spec.kv, batch, capacity)
+        self.prefix_cache = target_cache(self.prefix, batch, capacity)
+        self.suffix_cache = target_cache(self.suffix, batch, capacity)
 
     def truncate(self, length: int) -> None:
         self.prefix_cache.truncate(length)

@@ -78,7 +78,7 @@ class Pipeline:
             threads = (devices.target_threads if spec.model == "target" else devices.draft_threads) \
                 or default_threads(2)
             backend, placement = open_graph(graph_path(folder, spec), spec.model, devices, threads,
-                                            plan.decision(spec.model))
+                                            plan.decision(spec.model), spec.kv)
             sessions[role] = GraphSession(spec, backend, placement, timelines[spec.model])
             placements[role] = placement
         if names.DRAFT_STREAMING in manifest.graphs and not plan.decision("draft").static:

@@ -1,6 +1,6 @@
 """Does a row's target output depend on the rows verified beside it? (ALGORITHM.md, Losslessness (a))
 
-    python scripts/window_invariance.py EXPORT_DIR [--window 5] [--steps 20]
+    python scripts/window_invariance.py EXPORT_DIR [--window 5] [--steps 20] [--target-device openvino:CPU]
 
 Decodes a prompt greedily; at each step feeds the next `window` ar tokens as one verification window and again one
 token at a time, and prints the max |logit diff| and how often the argmax differs. 0.0 = bitwise identical.
@@ -21,8 +21,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt", default="Write a Python function that merges two sorted lists.")
+    parser.add_argument("--target-device", default="auto", help="where the target runs (see `mirrorsd devices`)")
     args = parser.parse_args()
-    with Pipeline.load(args.folder, DeviceRequest()) as pipe:
+    with Pipeline.load(args.folder, DeviceRequest(target=args.target_device, draft="cpu")) as pipe:
         prompt = pipe.encode(args.prompt, GenerationConfig())
         tokens = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=args.steps + args.window)).tokens
         target, worst, flips, rows = pipe.target, 0.0, 0, 0
@@ -39,6 +40,7 @@ def main() -> None:
             worst = max(worst, float(np.abs(together - alone).max()))
             flips += int((together.argmax(-1) != alone.argmax(-1)).sum())
             rows += len(window)
+    print(f"target on {pipe.placements['suffix'].describe()}")
     print(f"window {args.window}: max |logit diff| {worst:.3e}; argmax differs on {flips}/{rows} rows")
 
 
