@@ -70,3 +70,7 @@ class DraftWorkerError(MirrorSDError):
 
 class WeightsFetchError(MirrorSDError):
     """Pinned model weights could not be fetched, assembled or verified."""
+
+
+class KernelsUnavailableError(MirrorSDError):
+    """mirrorsd's own CPU kernels cannot be built or used here (no compiler, unsupported CPU or platform)."""
