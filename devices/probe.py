@@ -12,6 +12,9 @@ import functools
 import threading
 from dataclasses import dataclass
 
+from mirrorsd.runtime.graph_files import message_field as _msg
+from mirrorsd.runtime.graph_files import varint_field as _varint_field
+
 ORT_CPU = "CPUExecutionProvider"
 ORT_ACCELERATORS = ("CUDAExecutionProvider", "DmlExecutionProvider")  # the ones the placement policy uses
 PLUGIN_PACKAGE = "onnxruntime_ep_openvino"  # pip: onnxruntime-ep-openvino
@@ -201,20 +204,3 @@ def probe_model_bytes() -> bytes:
     graph = _msg(1, node) + _msg(2, b"probe") + _msg(11, value_info("x")) + _msg(12, value_info("y"))
     opset = _msg(1, b"") + _varint_field(2, 17)
     return _varint_field(1, 8) + _msg(7, graph) + _msg(8, opset)  # ir_version 8, graph, opset 17
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _varint_field(number: int, value: int) -> bytes:
-    return _varint(number << 3) + _varint(value)
-
-
-def _msg(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload

@@ -82,3 +82,7 @@ class ModelOutputError(MirrorSDError):
 
 class OutputStreamError(MirrorSDError):
     """Writing the result to stdout failed (a full disk, a broken device)."""
+
+
+class KernelsUnavailableError(MirrorSDError):
+    """mirrorsd's own CPU kernels cannot be built or used here (no compiler, unsupported CPU or platform)."""

@@ -39,10 +39,10 @@ _WALK = {
     "attribute": {5: "tensor", 6: "graph", 10: "tensor", 11: "graph", 22: "sparse", 23: "sparse"},
     "sparse": {1: "tensor", 2: "tensor"},
 }
-_LENGTH_DELIMITED = 2
+LENGTH_DELIMITED = 2
 
 
-class _Malformed(Exception):
+class MalformedProtobuf(Exception):
     """The bytes are not a well-formed protobuf message (truncated or damaged)."""
 
 
@@ -62,63 +62,71 @@ def external_locations(path: Path) -> list[tuple[str, str]]:
     try:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             return _scan(mapped)  # indexing an mmap copies nothing; slicing copies only that slice
-    except (_Malformed, ValueError) as exc:  # mmap raises ValueError for an empty file
+    except (MalformedProtobuf, ValueError) as exc:  # mmap raises ValueError for an empty file
         raise GraphFileError(f"Graph file '{path.name}' is not a valid ONNX file", f"{exc} (truncated or damaged)",
                              "re-export the folder") from None
 
 
 def _scan(buf: mmap.mmap) -> list[tuple[str, str]]:
     found = []
+    for start, end in messages(buf, "tensor"):
+        found += _tensor_locations(buf, start, end)
+    return found
+
+
+def messages(buf, kind: str):
+    """Yield (start, end) of every message of ``kind`` ("node", "tensor", a key of _WALK) in the ModelProto ``buf``
+    (bytes, bytearray or mmap), subgraphs and functions included. Raises MalformedProtobuf on damaged bytes."""
     stack = [("model", 0, len(buf))]  # an explicit stack: nesting depth is the file's to choose
     while stack:
-        kind, start, end = stack.pop()
-        if kind == "tensor":
-            found += _tensor_locations(buf, start, end)
+        current, start, end = stack.pop()
+        if current == kind:
+            yield start, end
+        if current == "tensor":
             continue
-        children = _WALK[kind]
-        for field, wire, lo, hi in _fields(buf, start, end):
-            if wire == _LENGTH_DELIMITED and field in children:
+        children = _WALK[current]
+        for field, wire, lo, hi in fields(buf, start, end):
+            if wire == LENGTH_DELIMITED and field in children:
                 stack.append((children[field], lo, hi))
-    return found
 
 
 def _tensor_locations(buf: mmap.mmap, start: int, end: int) -> list[tuple[str, str]]:
     name, locations = "", []
-    for field, wire, lo, hi in _fields(buf, start, end):
-        if wire != _LENGTH_DELIMITED:
+    for field, wire, lo, hi in fields(buf, start, end):
+        if wire != LENGTH_DELIMITED:
             continue
         if field == 8:
             name = _text(buf, lo, hi)
         elif field == 13:
-            entry = {f: _text(buf, a, b) for f, w, a, b in _fields(buf, lo, hi) if w == _LENGTH_DELIMITED}
+            entry = {f: _text(buf, a, b) for f, w, a, b in fields(buf, lo, hi) if w == LENGTH_DELIMITED}
             if entry.get(1) == "location":
                 locations.append(entry.get(2, ""))
     return [(name, loc) for loc in locations]
 
 
-def _fields(buf: mmap.mmap, pos: int, end: int):
+def fields(buf, pos: int, end: int):
     """Yield (field number, wire type, value start, value end) of each field in buf[pos:end]."""
     while pos < end:
-        key, pos = _varint(buf, pos, end)
+        key, pos = read_varint(buf, pos, end)
         field, wire = key >> 3, key & 7
         if wire == 0:
-            _, stop = _varint(buf, pos, end)
+            _, stop = read_varint(buf, pos, end)
         elif wire == 1:
             stop = pos + 8
         elif wire == 2:
-            length, pos = _varint(buf, pos, end)
+            length, pos = read_varint(buf, pos, end)
             stop = pos + length
         elif wire == 5:
             stop = pos + 4
         else:  # 3 and 4 are protobuf groups, which ONNX never uses; 6 and 7 do not exist
-            raise _Malformed(f"wire type {wire} at byte {pos}")
+            raise MalformedProtobuf(f"wire type {wire} at byte {pos}")
         if field == 0 or stop > end:
-            raise _Malformed(f"a field runs past the end of its message at byte {pos}")
+            raise MalformedProtobuf(f"a field runs past the end of its message at byte {pos}")
         yield field, wire, pos, stop
         pos = stop
 
 
-def _varint(buf: mmap.mmap, pos: int, end: int) -> tuple[int, int]:
+def read_varint(buf: mmap.mmap, pos: int, end: int) -> tuple[int, int]:
     value = shift = 0
     while pos < end and shift < 64:
         byte = buf[pos]
@@ -127,11 +135,31 @@ def _varint(buf: mmap.mmap, pos: int, end: int) -> tuple[int, int]:
         if not byte & 0x80:
             return value, pos
         shift += 7
-    raise _Malformed(f"a number breaks off at byte {pos}")
+    raise MalformedProtobuf(f"a number breaks off at byte {pos}")
 
 
 def _text(buf: mmap.mmap, lo: int, hi: int) -> str:
     try:
         return buf[lo:hi].decode("utf-8")
     except UnicodeDecodeError:
-        raise _Malformed(f"a name at byte {lo} is not UTF-8") from None
+        raise MalformedProtobuf(f"a name at byte {lo} is not UTF-8") from None
+
+
+def encode_varint(value: int) -> bytes:
+    """A non-negative integer as a protobuf varint (7 bits per byte, low bits first)."""
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def varint_field(number: int, value: int) -> bytes:
+    """A protobuf integer field (wire type 0)."""
+    return encode_varint(number << 3) + encode_varint(value)
+
+
+def message_field(number: int, payload: bytes) -> bytes:
+    """A protobuf length-delimited field (a string, bytes or an embedded message)."""
+    return encode_varint(number << 3 | LENGTH_DELIMITED) + encode_varint(len(payload)) + payload

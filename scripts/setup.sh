@@ -33,3 +33,7 @@ if (( ${#NATIVE_PACKAGES[@]} )); then
         echo "setup: no apt-get here: install ${NATIVE_PACKAGES[*]} yourself; the tests that need them will skip and say so"
     fi
 fi
+
+# mirrorsd's CPU kernels (runtime/kernels): built now into ~/.cache/mirrorsd/kernels with the C++ compiler above;
+# without one the runtime uses ONNX Runtime's kernels and the kernel tests say why they skip.
+"$PY" -m mirrorsd.runtime.kernels

@@ -1,0 +1,130 @@
+// The parts every path shares: activation quantization, the interleaved packing, and the scalar reference path
+// (which reads ONNX Runtime's own layout of B). Built without any -m flag, so it runs on any x86-64 (or other) CPU.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "qgemm.hpp"
+
+namespace mirrorsd_kern {
+
+// q = round_even(a * 127 / max|a|), s = max|a| / 127. The SIMD versions compute the same operations: max is exact,
+// one float division, one float multiplication per value, rounding half to even, the same clamping.
+void quantize_block_scalar(const float* a, int64_t n, int zero_point, int8_t* q, float* scale, int32_t* corr) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(a[k]));
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t sum = 0;
+  for (int64_t k = 0; k < kBlock; ++k) {
+    // nearbyint rounds half to even in the default rounding mode; min/max also map NaN to -127 without UB
+    const float r = k < n ? std::nearbyint(a[k] * inverse) : 0.0f;
+    const int v = static_cast<int>(std::min(127.0f, std::max(-127.0f, r)));
+    q[k] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *scale = amax / 127.0f;
+  *corr = -zero_point * sum;
+}
+
+void quantize_rows(const Path& path, const float* a, int64_t rows, const Shape& shape, QuantizedRows& out) {
+  out.rows = rows;
+  out.kb = shape.kb;
+  out.kpad = shape.kb * kBlock;
+  out.q.resize(static_cast<size_t>(rows * out.kpad));
+  out.scale.resize(static_cast<size_t>(rows * shape.kb));
+  out.corr.resize(static_cast<size_t>(rows * shape.kb));
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* row = a + m * shape.K;
+    for (int64_t b = 0; b < shape.kb; ++b) {
+      const int64_t n = std::min(kBlock, shape.K - b * kBlock);
+      (n == kBlock ? path.quantize_block : quantize_block_scalar)(
+          row + b * kBlock, n, shape.zero_point(), out.q.data() + m * out.kpad + b * kBlock,
+          out.scale.data() + m * shape.kb + b, out.corr.data() + m * shape.kb + b);
+    }
+  }
+}
+
+size_t interleaved_bytes(const Shape& shape, int64_t width) {
+  const int64_t groups = (shape.N + width - 1) / width;
+  const int64_t block = width * kBlock * shape.bits / 8 + width * 4;  // weights + scales
+  return static_cast<size_t>(groups * shape.kb * block);
+}
+
+namespace {
+
+// Weight k (0..31) of block b of column n, unsigned (0..15 or 0..255), from ONNX Runtime's layout.
+inline unsigned weight(const Shape& s, const uint8_t* b, int64_t n, int64_t blk, int64_t k) {
+  const uint8_t* blob = b + (n * s.kb + blk) * s.blob();
+  if (s.bits == 8) return blob[k];
+  return (k & 1) ? (blob[k / 2] >> 4) : (blob[k / 2] & 0x0F);
+}
+
+}  // namespace
+
+void pack_interleaved(const Shape& s, const uint8_t* b, const float* scales, int64_t width, uint8_t flip,
+                      uint8_t* out) {
+  const int64_t groups = (s.N + width - 1) / width;
+  const int64_t wbytes = width * kBlock * s.bits / 8;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t blk = 0; blk < s.kb; ++blk) {
+      uint8_t* w = out;
+      float* sc = reinterpret_cast<float*>(out + wbytes);
+      out += wbytes + width * 4;
+      for (int64_t c = 0; c < width; ++c) {
+        const int64_t n = g * width + c;
+        const bool real = n < s.N;
+        sc[c] = real ? scales[n * s.kb + blk] : 0.0f;
+        for (int64_t v = 0; v < (s.bits == 4 ? 4 : 8); ++v) {
+          for (int64_t j = 0; j < 4; ++j) {
+            uint8_t* dst = w + v * 4 * width + 4 * c + j;
+            if (s.bits == 4) {
+              const unsigned lo = real ? weight(s, b, n, blk, 4 * v + j) : 8;
+              const unsigned hi = real ? weight(s, b, n, blk, 4 * (v + 4) + j) : 8;
+              *dst = static_cast<uint8_t>(lo | (hi << 4));
+            } else {
+              *dst = static_cast<uint8_t>((real ? weight(s, b, n, blk, 4 * v + j) : 128) ^ flip);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
+// Scalar reference: B kept in ONNX Runtime's layout (a plain copy), weights | scales.
+size_t scalar_bytes(const Shape& s) { return static_cast<size_t>(s.N * s.kb * (s.blob() + 4)); }
+
+void scalar_pack(const Shape& s, const uint8_t* b, const float* scales, uint8_t* out) {
+  std::memcpy(out, b, static_cast<size_t>(s.N * s.kb * s.blob()));
+  std::memcpy(out + s.N * s.kb * s.blob(), scales, static_cast<size_t>(s.N * s.kb * 4));
+}
+
+void scalar_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
+                 const float* bias, float* y) {
+  const float* scales = reinterpret_cast<const float*>(packed + s.N * s.kb * s.blob());
+  for (int64_t m = 0; m < a.rows; ++m) {
+    const int8_t* q = a.row_q(m);
+    for (int64_t n = g0; n < g1; ++n) {
+      float acc = 0.0f;
+      for (int64_t blk = 0; blk < s.kb; ++blk) {
+        int32_t d = a.row_corr(m)[blk];  // -zero_point * sum(q): with it, d = sum (w - zero_point) * q
+        for (int64_t k = 0; k < kBlock; ++k)
+          d += static_cast<int32_t>(weight(s, packed, n, blk, k)) * q[blk * kBlock + k];
+        const float both = scales[n * s.kb + blk] * a.row_scale(m)[blk];
+        acc = std::fma(static_cast<float>(d), both, acc);
+      }
+      y[m * s.N + n] = bias ? acc + bias[n] : acc;
+    }
+  }
+}
+
+}  // namespace
+
+const Path& scalar_path() {
+  static const Path path{"scalar", 1, quantize_block_scalar, scalar_bytes, scalar_pack, scalar_gemm};
+  return path;
+}
+
+}  // namespace mirrorsd_kern

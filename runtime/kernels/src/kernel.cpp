@@ -1,0 +1,252 @@
+#include "kernel.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
+
+namespace mirrorsd_kern {
+
+namespace {
+
+constexpr int64_t kTaskBytes = 64 * 1024;  // packed bytes per ParallelFor task: many tasks per thread, few calls
+// Below this many packed bytes the calling thread does it all (~15 us at one thread's bandwidth): waking a sleeping
+// worker of ONNX Runtime's pool costs about as much (session.intra_op.allow_spinning=0, as the runtime sets it).
+constexpr size_t kInlineBytes = 512 * 1024;
+constexpr size_t kHugePage = size_t{2} << 20;
+
+#define MIRRORSD_RETURN_IF(expr)    \
+  do {                              \
+    OrtStatus* _status = (expr);    \
+    if (_status) return _status;    \
+  } while (0)
+
+struct TensorView {
+  void* data = nullptr;
+  std::vector<int64_t> dims;
+  int64_t count = 0;
+};
+
+OrtStatus* view(const OrtApi* api, const OrtValue* value, TensorView& out) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  MIRRORSD_RETURN_IF(api->GetTensorTypeAndShape(value, &info));
+  size_t rank = 0;
+  OrtStatus* status = api->GetDimensionsCount(info, &rank);
+  if (!status) {
+    out.dims.assign(rank, 0);
+    status = api->GetDimensions(info, out.dims.data(), rank);
+  }
+  api->ReleaseTensorTypeAndShapeInfo(info);
+  if (status) return status;
+  out.count = 1;
+  for (int64_t d : out.dims) out.count *= d;
+  return api->GetTensorMutableData(const_cast<OrtValue*>(value), &out.data);
+}
+
+std::string shape_text(const std::vector<int64_t>& dims) {
+  std::string text = "[";
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+  return text + "]";
+}
+
+std::string node_name(const OrtApi* api, const OrtKernelInfo* info) {
+  size_t size = 0;
+  if (OrtStatus* s = api->KernelInfo_GetNodeName(info, nullptr, &size)) return api->ReleaseStatus(s), "";
+  std::string name(size, '\0');
+  if (OrtStatus* s = api->KernelInfo_GetNodeName(info, name.data(), &size)) return api->ReleaseStatus(s), "";
+  return name.c_str();  // drops the terminating zero
+}
+
+bool input_present(const OrtApi* api, const OrtKernelInfo* info, size_t index) {
+  size_t count = 0, size = 0;
+  if (OrtStatus* s = api->KernelInfo_GetInputCount(info, &count)) return api->ReleaseStatus(s), false;
+  if (index >= count) return false;
+  if (OrtStatus* s = api->KernelInfo_GetInputName(info, index, nullptr, &size)) return api->ReleaseStatus(s), false;
+  return size > 1;  // the size counts the terminating zero; an absent optional input has the empty name
+}
+
+// Packed B, in 2 MiB pages where whole ones fit: B is streamed once per call, and with 4 KiB pages the page walks
+// (nested ones in a virtual machine) cost a third of the bandwidth. Only whole pages are advised, so none is wasted.
+uint8_t* allocate_packed(size_t bytes) {
+  void* memory = nullptr;
+  if (posix_memalign(&memory, bytes >= kHugePage ? kHugePage : 64, bytes ? bytes : 64) != 0) return nullptr;
+#ifdef __linux__
+  if (bytes >= kHugePage) madvise(memory, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // before the first touch
+#endif
+  return static_cast<uint8_t*>(memory);
+}
+
+// Every float step must round the same way on every thread, but ONNX Runtime may turn on flush-to-zero and
+// denormals-are-zero on its pool threads (session.set_denormal_as_zero) and not on the calling one. The kernel's
+// work runs in the default mode: round half to even, denormals kept, exceptions masked; the caller's is restored.
+class DefaultFloatMode {
+ public:
+#if defined(__x86_64__) || defined(_M_X64)
+  DefaultFloatMode() : saved_(_mm_getcsr()) { _mm_setcsr(0x1F80); }
+  ~DefaultFloatMode() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
+struct Job {
+  const Shape* shape;
+  const Path* path;
+  const uint8_t* packed;
+  const QuantizedRows* rows;
+  const float* bias;
+  float* y;
+  int64_t groups, groups_per_task;
+};
+
+void run_task(void* data, size_t task) {
+  const DefaultFloatMode mode;
+  const Job& job = *static_cast<const Job*>(data);
+  const int64_t g0 = static_cast<int64_t>(task) * job.groups_per_task;
+  const int64_t g1 = g0 + job.groups_per_task < job.groups ? g0 + job.groups_per_task : job.groups;
+  job.path->gemm(*job.shape, job.packed, *job.rows, g0, g1, job.bias, job.y);
+}
+
+}  // namespace
+
+void FreeDeleter::operator()(uint8_t* p) const { std::free(p); }
+
+OrtStatus* Kernel::error(OrtErrorCode code, const std::string& what, const std::string& fix) const {
+  const std::string text = "mirrorsd.kern MatMulNBits node '" + node_ + "': " + what + ". Fix: " + fix + ".";
+  return api_->CreateStatus(code, text.c_str());
+}
+
+OrtStatus* Kernel::create(const OrtApi* api, const OrtKernelInfo* info, Kernel** out) {
+  std::unique_ptr<Kernel> kernel(new Kernel(api, node_name(api, info)));
+  std::string why;
+  kernel->path_ = select_path(why);
+  if (!kernel->path_) return kernel->error(ORT_FAIL, why, "unset MIRRORSD_KERNELS_ISA or name a path this CPU runs");
+  MIRRORSD_RETURN_IF(kernel->read_attributes(info));
+  MIRRORSD_RETURN_IF(kernel->check_optional_inputs(info));
+  MIRRORSD_RETURN_IF(kernel->pack_weights(info));
+  *out = kernel.release();
+  return nullptr;
+}
+
+OrtStatus* Kernel::read_attributes(const OrtKernelInfo* info) {
+  const char* names[] = {"K", "N", "bits", "block_size"};
+  int64_t values[4] = {0, 0, 0, 0};
+  for (int i = 0; i < 4; ++i) {
+    if (OrtStatus* s = api_->KernelInfoGetAttribute_int64(info, names[i], &values[i])) {
+      api_->ReleaseStatus(s);
+      return error(ORT_INVALID_ARGUMENT, std::string("the int attribute '") + names[i] + "' is missing",
+                   "MatMulNBits needs K, N, bits and block_size");
+    }
+  }
+  const int64_t K = values[0], N = values[1], bits = values[2], block = values[3];
+  if (K <= 0 || N <= 0)
+    return error(ORT_INVALID_ARGUMENT, "K=" + std::to_string(K) + " and N=" + std::to_string(N) + " must be >= 1",
+                 "re-quantize the model");
+  if (bits != 4 && bits != 8)
+    return error(ORT_NOT_IMPLEMENTED, "bits=" + std::to_string(bits) + " (this kernel handles 4 and 8)",
+                 "quantize with bits=4 or 8, or run the node with ONNX Runtime's own kernel");
+  if (block != kBlock)
+    return error(ORT_NOT_IMPLEMENTED, "block_size=" + std::to_string(block) + " (this kernel handles 32)",
+                 "quantize with block_size=32, or run the node with ONNX Runtime's own kernel");
+  shape_.K = K;
+  shape_.N = N;
+  shape_.kb = (K + kBlock - 1) / kBlock;
+  shape_.bits = static_cast<int>(bits);
+  return nullptr;
+}
+
+OrtStatus* Kernel::check_optional_inputs(const OrtKernelInfo* info) const {
+  if (input_present(api_, info, kZeroPoints))
+    return error(ORT_NOT_IMPLEMENTED, "zero_points are given (this kernel handles symmetric weights only)",
+                 "quantize with is_symmetric=True, or run the node with ONNX Runtime's own kernel");
+  if (input_present(api_, info, kGroupIndex))
+    return error(ORT_NOT_IMPLEMENTED, "g_idx is given (act-order weights are not handled)",
+                 "run the node with ONNX Runtime's own kernel");
+  return nullptr;
+}
+
+OrtStatus* Kernel::pack_weights(const OrtKernelInfo* info) {
+  const OrtValue* values[2] = {nullptr, nullptr};
+  const size_t inputs[2] = {kB, kScales};
+  for (int i = 0; i < 2; ++i) {
+    int constant = 0;
+    OrtStatus* s = api_->KernelInfoGetConstantInput_tensor(info, inputs[i], &constant, &values[i]);
+    if (s) api_->ReleaseStatus(s);
+    if (s || !constant)
+      return error(ORT_NOT_IMPLEMENTED, std::string(i ? "scales" : "B") + " is not a constant initializer",
+                   "keep B and scales as initializers (MatMulNBitsQuantizer does): they are packed once");
+  }
+  TensorView b, scales;
+  MIRRORSD_RETURN_IF(view(api_, values[0], b));
+  MIRRORSD_RETURN_IF(view(api_, values[1], scales));
+  const Shape& s = shape_;
+  if (b.count != s.N * s.kb * s.blob() || b.dims.empty() || b.dims[0] != s.N)
+    return error(ORT_INVALID_ARGUMENT, "B has shape " + shape_text(b.dims) + ", expected [" + std::to_string(s.N) +
+                 ", " + std::to_string(s.kb) + ", " + std::to_string(s.blob()) + "] for K, N and bits",
+                 "re-quantize the model");
+  if (scales.count != s.N * s.kb)
+    return error(ORT_INVALID_ARGUMENT, "scales has " + std::to_string(scales.count) +
+                 " values, expected N * ceil(K/32) = " + std::to_string(s.N * s.kb), "re-quantize the model");
+  packed_bytes_ = path_->packed_bytes(s);
+  packed_.reset(allocate_packed(packed_bytes_));
+  if (!packed_)
+    return error(ORT_FAIL, "cannot allocate " + std::to_string(packed_bytes_) + " bytes for packed B", "free memory");
+  path_->pack(s, static_cast<const uint8_t*>(b.data), static_cast<const float*>(scales.data), packed_.get());
+  groups_ = (s.N + path_->group - 1) / path_->group;
+  const int64_t group_bytes = static_cast<int64_t>(packed_bytes_) / groups_;
+  groups_per_task_ = group_bytes >= kTaskBytes ? 1 : kTaskBytes / group_bytes;
+  return nullptr;
+}
+
+OrtStatus* Kernel::compute(OrtKernelContext* context) const {
+  const OrtValue* a_value = nullptr;
+  MIRRORSD_RETURN_IF(api_->KernelContext_GetInput(context, kA, &a_value));
+  TensorView a;
+  MIRRORSD_RETURN_IF(view(api_, a_value, a));
+  if (a.dims.empty() || a.dims.back() != shape_.K)
+    return error(ORT_INVALID_ARGUMENT, "A has shape " + shape_text(a.dims) + ", whose last dimension is not K=" +
+                 std::to_string(shape_.K), "feed A as [..., K]");
+  std::vector<int64_t> y_dims = a.dims;
+  y_dims.back() = shape_.N;
+  OrtValue* y_value = nullptr;
+  MIRRORSD_RETURN_IF(api_->KernelContext_GetOutput(context, 0, y_dims.data(), y_dims.size(), &y_value));
+  TensorView y;
+  MIRRORSD_RETURN_IF(view(api_, y_value, y));
+  const float* bias = nullptr;
+  size_t inputs = 0;
+  MIRRORSD_RETURN_IF(api_->KernelContext_GetInputCount(context, &inputs));
+  if (inputs > kBias) {
+    const OrtValue* bias_value = nullptr;
+    MIRRORSD_RETURN_IF(api_->KernelContext_GetInput(context, kBias, &bias_value));
+    if (bias_value) {
+      TensorView view_bias;
+      MIRRORSD_RETURN_IF(view(api_, bias_value, view_bias));
+      if (view_bias.count != shape_.N)
+        return error(ORT_INVALID_ARGUMENT, "bias has shape " + shape_text(view_bias.dims) + ", expected [" +
+                     std::to_string(shape_.N) + "]", "give one bias value per output column");
+      bias = static_cast<const float*>(view_bias.data);
+    }
+  }
+  const int64_t rows = a.count / shape_.K;
+  if (rows == 0) return nullptr;
+  thread_local QuantizedRows quantized;  // reused across calls on this thread
+  {
+    const DefaultFloatMode mode;
+    quantize_rows(*path_, static_cast<const float*>(a.data), rows, shape_, quantized);
+  }
+  Job job{&shape_, path_, packed_.get(), &quantized, bias, static_cast<float*>(y.data), groups_, groups_per_task_};
+  const size_t tasks = static_cast<size_t>((groups_ + groups_per_task_ - 1) / groups_per_task_);
+  if (tasks == 1 || packed_bytes_ < kInlineBytes) {
+    for (size_t task = 0; task < tasks; ++task) run_task(&job, task);
+    return nullptr;
+  }
+  return api_->KernelContext_ParallelFor(context, run_task, tasks, 0, &job);
+}
+
+}  // namespace mirrorsd_kern

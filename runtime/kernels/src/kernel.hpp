@@ -1,0 +1,49 @@
+// The MatMulNBits kernel object ONNX Runtime holds per node: B packed once at creation, then one call per run.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "onnxruntime_c_api.h"
+#include "qgemm.hpp"
+
+namespace mirrorsd_kern {
+
+// The oldest ONNX Runtime API level this library needs (KernelContext_ParallelFor arrived in 1.17).
+constexpr uint32_t kOrtApiVersion = 17;
+
+// Inputs of com.microsoft::MatMulNBits, in order.
+enum Input : size_t { kA = 0, kB = 1, kScales = 2, kZeroPoints = 3, kGroupIndex = 4, kBias = 5, kInputCount = 6 };
+
+// The path for this process: the best one the CPU runs, or the one MIRRORSD_KERNELS_ISA names ("avx512vnni",
+// "avx2", "scalar"). Returns null and says why when the requested path cannot run here.
+const Path* select_path(std::string& why);
+
+struct FreeDeleter {
+  void operator()(uint8_t* p) const;
+};
+
+class Kernel {
+ public:
+  // Reads and checks the node's attributes and constant inputs, and packs B; an error status on any problem.
+  static OrtStatus* create(const OrtApi* api, const OrtKernelInfo* info, Kernel** out);
+  OrtStatus* compute(OrtKernelContext* context) const;
+
+ private:
+  Kernel(const OrtApi* api, std::string node) : api_(api), node_(std::move(node)) {}
+  OrtStatus* error(OrtErrorCode code, const std::string& what, const std::string& fix) const;
+  OrtStatus* read_attributes(const OrtKernelInfo* info);
+  OrtStatus* check_optional_inputs(const OrtKernelInfo* info) const;
+  OrtStatus* pack_weights(const OrtKernelInfo* info);
+
+  const OrtApi* api_;
+  std::string node_;
+  Shape shape_;
+  const Path* path_ = nullptr;
+  std::unique_ptr<uint8_t, FreeDeleter> packed_;
+  size_t packed_bytes_ = 0;
+  int64_t groups_ = 0;           // column groups of the path's packed layout
+  int64_t groups_per_task_ = 1;  // the unit of ParallelFor
+};
+
+}  // namespace mirrorsd_kern

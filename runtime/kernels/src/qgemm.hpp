@@ -1,0 +1,116 @@
+// Row-invariant block-quantized GEMM: Y[M, N] = A[M, K] x dequant(B)[K, N] (+ bias), B in 4 or 8 bits per weight,
+// one float scale per block of 32 weights of a column, symmetric (zero point 8 or 128).
+//
+// Numerics, the same for every instruction-set path (so the paths agree bit for bit, and each row's bits are the
+// same whatever M is and however the columns are split across threads):
+//   1. each row of A is quantized on its own, per block of 32:  s = max|a| / 127,  q = round_even(a * (127 / max|a|))
+//      clamped to [-127, 127] (NaN -> -127), with the scalar steps the same in every path's version;
+//   2. per (row, column, block) an exact int32 dot product  d = sum_k (w_k - zero_point) * q_k;
+//   3. per (row, column) one float accumulator over the blocks in increasing order:
+//          acc = fma(float(d), w_scale * a_scale, acc)      (float(d) is exact: |d| < 2^24)
+//   4. y = acc (+ bias).
+// Only the column split is parallel (never K), so no step depends on M, on the row tile, or on the thread count.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace mirrorsd_kern {
+
+constexpr int64_t kBlock = 32;  // weights per quantization block (the only block size MatMulNBits exports here)
+
+struct Shape {
+  int64_t K = 0;   // reduction length (columns of A)
+  int64_t N = 0;   // output columns
+  int64_t kb = 0;  // blocks per column: ceil(K / 32)
+  int bits = 4;    // 4 or 8
+  int zero_point() const { return bits == 4 ? 8 : 128; }
+  int64_t blob() const { return kBlock * bits / 8; }  // bytes of one block of one column in ONNX Runtime's layout
+};
+
+// A's rows quantized per block of 32 (step 1 above); K is padded with zeros to kb * 32.
+struct QuantizedRows {
+  int64_t rows = 0, kpad = 0, kb = 0;
+  std::vector<int8_t> q;      // [rows][kpad]
+  std::vector<float> scale;   // [rows][kb]   s of each block
+  std::vector<int32_t> corr;  // [rows][kb]   -zero_point * sum of q over the block
+  const int8_t* row_q(int64_t m) const { return q.data() + m * kpad; }
+  const float* row_scale(int64_t m) const { return scale.data() + m * kb; }
+  const int32_t* row_corr(int64_t m) const { return corr.data() + m * kb; }
+};
+
+// One block of one row (step 1): n <= 32 values of a; q gets 32 bytes (zeros past n).
+using QuantizeBlock = void (*)(const float* a, int64_t n, int zero_point, int8_t* q, float* scale, int32_t* corr);
+void quantize_block_scalar(const float* a, int64_t n, int zero_point, int8_t* q, float* scale, int32_t* corr);
+
+// One instruction-set path: its packed layout of B and its GEMM over a range of column groups.
+struct Path {
+  const char* name;
+  int64_t group;  // columns per group (the packed layout's unit of work)
+  QuantizeBlock quantize_block;  // for whole blocks (a partial last block goes through quantize_block_scalar)
+  // bytes of B packed for this path (B: ONNX Runtime layout [N][kb][blob] uint8; scales [N][kb] float)
+  size_t (*packed_bytes)(const Shape& shape);
+  void (*pack)(const Shape& shape, const uint8_t* b, const float* scales, uint8_t* out);
+  // Y rows [0, a.rows) for the columns of groups [g0, g1); y is [rows][N], bias is [N] or null.
+  void (*gemm)(const Shape& shape, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
+               const float* bias, float* y);
+};
+
+void quantize_rows(const Path& path, const float* a, int64_t rows, const Shape& shape, QuantizedRows& out);
+
+const Path& scalar_path();
+#if defined(__x86_64__) || defined(_M_X64)
+const Path& avx2_path();
+const Path& avx512_path();
+#endif
+
+// Packed layout shared by the SIMD paths, for a group of W columns (W = 16 for AVX-512, 8 for AVX2):
+//   groups in order; in a group, blocks in order; a block is  weights | W float scales.
+//   4-bit weights: 4 vectors of 4*W bytes; byte 4c+j of vector v holds column c's weights k = 4v+j (low nibble)
+//                  and k = 4(v+4)+j (high nibble), as unsigned 0..15 (zero point 8).
+//   8-bit weights: 8 vectors of 4*W bytes; byte 4c+j of vector v holds column c's weight k = 4v+j, unsigned 0..255
+//                  XOR'ed with `flip` (0 keeps ONNX Runtime's unsigned byte, 0x80 makes it the signed w - 128).
+// Columns past N are padded with zero weights and zero scales.
+size_t interleaved_bytes(const Shape& shape, int64_t width);
+void pack_interleaved(const Shape& shape, const uint8_t* b, const float* scales, int64_t width, uint8_t flip,
+                      uint8_t* out);
+
+// A SIMD path over the interleaved layout, from its traits K (in an anonymous namespace of the path's own file, which
+// is compiled with its instruction set): K::kWidth columns per group, K::kMaxTile rows per tile at most, K::kFlip8
+// (the XOR applied to 8-bit weights when packing), and K::template tile<MT, BITS>, the TileFn for a tile of MT rows.
+// Each group's tiles run while its panel is in cache, so B is read from memory once per call.
+using TileFn = void (*)(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int64_t first_row,
+                        int64_t first_column, const float* bias, float* y);
+
+template <class K, int BITS, int... I>
+constexpr std::array<TileFn, sizeof...(I)> tile_table(std::integer_sequence<int, I...>) {
+  return {K::template tile<I + 1, BITS>...};  // entry r - 1 runs a tile of r rows
+}
+
+template <class K>
+void interleaved_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
+                      const float* bias, float* y) {
+  static constexpr auto tiles4 = tile_table<K, 4>(std::make_integer_sequence<int, K::kMaxTile>());
+  static constexpr auto tiles8 = tile_table<K, 8>(std::make_integer_sequence<int, K::kMaxTile>());
+  const auto& tiles = s.bits == 4 ? tiles4 : tiles8;
+  const int64_t panel_bytes = s.kb * (K::kWidth * kBlock * s.bits / 8 + K::kWidth * 4);
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m0 = 0; m0 < a.rows; m0 += K::kMaxTile) {
+      const int64_t rows = a.rows - m0 < K::kMaxTile ? a.rows - m0 : K::kMaxTile;
+      tiles[rows - 1](s, packed + g * panel_bytes, a, m0, g * K::kWidth, bias, y);
+    }
+}
+
+template <class K>
+Path interleaved_path(const char* name, QuantizeBlock quantize_block) {
+  return Path{name, K::kWidth, quantize_block, [](const Shape& s) { return interleaved_bytes(s, K::kWidth); },
+              [](const Shape& s, const uint8_t* b, const float* scales, uint8_t* out) {
+                pack_interleaved(s, b, scales, K::kWidth, s.bits == 8 ? K::kFlip8 : 0, out);
+              },
+              interleaved_gemm<K>};
+}
+
+}  // namespace mirrorsd_kern

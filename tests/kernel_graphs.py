@@ -1,0 +1,164 @@
+"""Graphs of MatMulNBits layers for the kernel tests (weights quantized here in ONNX Runtime's layout), and sessions
+that run them with mirrorsd's kernel library registered.
+
+    B       uint8 [N, ceil(K/32), 32*bits/8]   4-bit: weight 2j in the low nibble of byte j, 2j+1 in the high one
+    scales  float [N * ceil(K/32)]             symmetric: w = (q - 2^(bits-1)) * scale
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Layer:
+    B: np.ndarray  # uint8 [N, kb, blob]
+    scales: np.ndarray  # float32 [N * kb]
+    dequantized: np.ndarray  # float32 [K, N], what B and scales stand for
+    bias: np.ndarray | None  # float32 [N]
+    bits: int
+
+    @property
+    def K(self) -> int:
+        return self.dequantized.shape[0]
+
+    @property
+    def N(self) -> int:
+        return self.dequantized.shape[1]
+
+
+def quantize(w: np.ndarray, bits: int, bias: np.ndarray | None = None) -> Layer:
+    """Round-to-nearest symmetric quantization of w [K, N] per block of 32 along K (K padded with zeros)."""
+    K, N = w.shape
+    kb = -(-K // BLOCK)
+    padded = np.zeros((kb * BLOCK, N), np.float32)
+    padded[:K] = w
+    blocks = padded.T.reshape(N, kb, BLOCK)  # [N, kb, 32]
+    top = 2 ** (bits - 1)
+    scales = (np.abs(blocks).max(axis=2) / (top - 1)).astype(np.float32)  # [N, kb]
+    safe = np.where(scales > 0, scales, 1.0)[..., None]
+    q = np.clip(np.rint(blocks / safe), -top, top - 1).astype(np.int32) + top  # unsigned
+    dequantized = ((q - top) * scales[..., None]).astype(np.float32).reshape(N, kb * BLOCK).T[:K]
+    if bits == 4:
+        B = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    else:
+        B = q.astype(np.uint8)
+    return Layer(B, scales.reshape(-1), np.ascontiguousarray(dequantized), bias, bits)
+
+
+def random_layers(rng: np.random.Generator, dims: list[int], bits: int, bias: bool = False) -> list[Layer]:
+    """Layers dims[0] -> dims[1] -> ... with weights ~ N(0, 1/K)."""
+    layers = []
+    for K, N in zip(dims[:-1], dims[1:]):
+        w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
+        b = rng.standard_normal(N).astype(np.float32) * 0.1 if bias else None
+        layers.append(quantize(w, bits, b))
+    return layers
+
+
+def model_bytes(layers: list[Layer], domain: str, accuracy_level: int = 4, extra_attributes: dict | None = None,
+                opset_domain: bool = True, **tweaks) -> bytes:
+    """A graph A -> MatMulNBits -> ... -> Y over ``layers``, its MatMulNBits nodes in ``domain``.
+
+    tweaks: B_as_input (B a graph input, not an initializer), zero_points / g_idx (add those inputs), free_k (A's
+    last dimension symbolic, so that a wrong one reaches the kernel)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    k_dim = "K" if tweaks.get("free_k") else layers[0].K
+    nodes, inits, inputs = [], [], [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k_dim])]
+    x = "A"
+    for i, layer in enumerate(layers):
+        names = [x, f"B{i}", f"S{i}"]
+        if tweaks.get("B_as_input"):
+            inputs.append(helper.make_tensor_value_info(f"B{i}", TensorProto.UINT8, list(layer.B.shape)))
+        else:
+            inits.append(numpy_helper.from_array(layer.B, f"B{i}"))
+        inits.append(numpy_helper.from_array(layer.scales, f"S{i}"))
+        optional = {3: "zero_points", 4: "g_idx", 5: "bias"}
+        values = {"zero_points": np.full(layer.N * -(-layer.K // 32), 0x88, np.uint8) if tweaks.get("zero_points")
+                  else None, "g_idx": np.arange(layer.K, dtype=np.int32) // 32 if tweaks.get("g_idx") else None,
+                  "bias": layer.bias}
+        for index, kind in optional.items():
+            if values[kind] is not None:
+                names += [""] * (index - len(names)) + [f"{kind}{i}"]
+                inits.append(numpy_helper.from_array(values[kind], f"{kind}{i}"))
+        attributes = dict(K=layer.K, N=layer.N, bits=layer.bits, block_size=BLOCK, accuracy_level=accuracy_level)
+        attributes.update(extra_attributes or {})
+        attributes = {k: v for k, v in attributes.items() if v is not None}
+        nodes.append(helper.make_node("MatMulNBits", names, [f"Y{i}"], domain=domain, name=f"mm{i}", **attributes))
+        x = f"Y{i}"
+    graph = helper.make_graph(nodes, "g", inputs,
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["M", layers[-1].N])], inits)
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid(domain, 1)] if opset_domain else [])
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def reference(layers: list[Layer], a: np.ndarray) -> np.ndarray:
+    """The float64 product through the dequantized weights (no activation quantization)."""
+    x = a.astype(np.float64)
+    for layer in layers:
+        x = x @ layer.dequantized.astype(np.float64) + (layer.bias if layer.bias is not None else 0.0)
+    return x
+
+
+def activation_error_bound(layer: Layer, a: np.ndarray) -> np.ndarray:
+    """Bound on |kernel(a) - a @ dequantized| for one layer, derived from the kernel's numerics [M, N].
+
+    Each activation is rounded to the nearest step of its block (step s_b = max|a_b| / 127), so it moves by at
+    most s_b / 2: the product moves by at most sum_b s_b / 2 * sum_{k in b} |w_kn|. The float steps (one rounding
+    of w_scale * a_scale, one fma per block, the bias add) add at most (kb + 3) * 2^-24 times the sum of the
+    magnitudes involved, sum_b |w_scale a_scale d_b| + |bias| <= sum_k |a_k w_kn| + (rounding bound) + |bias|."""
+    K, N = layer.dequantized.shape
+    kb = -(-K // BLOCK)
+    padded = np.zeros((a.shape[0], kb * BLOCK))
+    padded[:, :K] = a
+    steps = np.abs(padded.reshape(a.shape[0], kb, BLOCK)).max(axis=2) / 127.0  # [M, kb]
+    w = np.zeros((kb * BLOCK, N))
+    w[:K] = np.abs(layer.dequantized)
+    column_mass = w.reshape(kb, BLOCK, N).sum(axis=1)  # [kb, N]
+    rounding = steps / 2 @ column_mass
+    bias = np.abs(layer.bias) if layer.bias is not None else 0.0
+    floats = (kb + 3) * 2.0**-24 * (np.abs(a) @ np.abs(layer.dequantized.astype(np.float64)) + rounding + bias)
+    return rounding + floats
+
+
+def library_or_skip():
+    """The built kernel library; skips only when the machine has no C++ compiler to build it."""
+    from mirrorsd.errors import KernelsUnavailableError
+    from mirrorsd.runtime import kernels
+    from mirrorsd.runtime.kernels.build import find_compiler
+
+    try:
+        return kernels.library()
+    except KernelsUnavailableError:
+        if find_compiler() is None:
+            import pytest
+
+            pytest.skip("no C++ compiler on this machine: the kernels cannot be built (the only allowed skip)")
+        raise
+
+
+def open_session(model, monkeypatch, threads: int = 1, replace: bool = False, isa: str | None = None,
+                 config: dict | None = None):
+    """An ONNX Runtime session on ``model`` (bytes or path) with the kernels registered, ``isa`` forcing a path."""
+    import onnxruntime as ort
+
+    from mirrorsd.runtime import kernels
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    for key, value in (config or {}).items():
+        opts.add_session_config_entry(key, value)
+    kernels.register(opts, replace=replace, allow_slow=True)
+    with monkeypatch.context() as patch:
+        if isa:
+            patch.setenv(kernels.ISA_ENV, isa)  # read by the library when the session creates its kernels
+        return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
+def run(session, a: np.ndarray) -> np.ndarray:
+    return session.run(None, {"A": a})[0]

@@ -1,0 +1,183 @@
+"""mirrorsd's MatMulNBits kernel (runtime/kernels) in real ONNX Runtime sessions: every row's bits independent of M
+and of the thread count, the instruction-set paths bit for bit equal, the error within the bound its quantization
+implies, clear errors for what it refuses."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import platform
+import sys
+
+import numpy as np
+import pytest
+from kernel_graphs import (activation_error_bound, library_or_skip, model_bytes, open_session, random_layers,
+                           reference, run)
+
+from mirrorsd.runtime import kernels
+
+ort = pytest.importorskip("onnxruntime")
+PATHS = ("avx512vnni", "avx2", "scalar")
+ROWS = (1, 2, 3, 5, 8, 13)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return library_or_skip()
+
+
+def need(lib, path: str) -> None:
+    if not lib.paths.get(path):
+        pytest.skip(f"this CPU cannot run the {path} path")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("path", PATHS)
+def test_rows_are_bitwise_independent_of_m_and_threads(lib, path, bits, monkeypatch):
+    need(lib, path)
+    rng = np.random.default_rng(bits)
+    # K = 200 and 1000 are not multiples of 32, N = 100 and 1100 not of 16; the 1000 -> 1100 layer (> 512 KB packed)
+    # is split into ParallelFor tasks over the columns
+    single = model_bytes(random_layers(rng, [200, 100], bits, bias=True), kernels.DOMAIN)
+    chain = model_bytes(random_layers(rng, [200, 1000, 1100, 64], bits, bias=True), kernels.DOMAIN)
+    a = rng.standard_normal((max(ROWS), 200)).astype(np.float32)
+    for model in (single, chain):
+        alone_by_threads = []
+        for threads in (1, 2):
+            session = open_session(model, monkeypatch, threads, isa=path)
+            alone = np.concatenate([run(session, a[i:i + 1]) for i in range(len(a))])
+            for m in ROWS:
+                np.testing.assert_array_equal(run(session, a[:m]), alone[:m], err_msg=f"M={m} threads={threads}")
+            alone_by_threads.append(alone)
+        np.testing.assert_array_equal(alone_by_threads[0], alone_by_threads[1])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_paths_agree_bit_for_bit(lib, bits, monkeypatch):
+    runnable = [p for p in PATHS if lib.paths.get(p)]
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs only {runnable}")
+    rng = np.random.default_rng(10 + bits)
+    model = model_bytes(random_layers(rng, [200, 1000, 100], bits, bias=True), kernels.DOMAIN)
+    a = rng.standard_normal((13, 200)).astype(np.float32)
+    outputs = {p: run(open_session(model, monkeypatch, 2, isa=p), a) for p in runnable}
+    for p in runnable[1:]:
+        np.testing.assert_array_equal(outputs[p], outputs[runnable[0]], err_msg=f"{p} vs {runnable[0]}")
+
+
+def special_rows(K: int) -> np.ndarray:
+    """Rows that exercise the rounding corners of step 1, [5, K]."""
+    rows = np.zeros((5, K), np.float32)
+    rows[0, :] = np.tile(np.arange(-15.5, 16.5, 1.0, dtype=np.float32), K // 32 + 1)[:K]  # halves: ties to even
+    rows[0, ::32] = 127.0  # max|a| = 127: the inverse is exactly 1, a * inverse is the half itself
+    rows[1, : K // 2] = 1e-30  # a zero block and a block of one repeated tiny value
+    rows[2, 5] = 3e38  # one huge value next to ordinary ones
+    rows[2, 6:40] = np.linspace(-1, 1, 34)
+    rows[3, :] = np.float32(2.0) ** np.arange(-20, 20, 40 / K, dtype=np.float32)[:K]
+    rows[4, :] = -rows[3, ::-1]
+    return rows
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_paths_agree_on_rounding_corners(lib, bits, monkeypatch):
+    runnable = [p for p in PATHS if lib.paths.get(p)]
+    rng = np.random.default_rng(30 + bits)
+    model = model_bytes(random_layers(rng, [256, 48], bits), kernels.DOMAIN)
+    a = special_rows(256)
+    outputs = {}
+    for path in runnable:
+        session = open_session(model, monkeypatch, 2, isa=path)
+        outputs[path] = run(session, a)
+        np.testing.assert_array_equal(np.concatenate([run(session, a[i:i + 1]) for i in range(len(a))]),
+                                      outputs[path])
+    for p in runnable[1:]:
+        np.testing.assert_array_equal(outputs[p], outputs[runnable[0]], err_msg=f"{p} vs {runnable[0]}")
+
+
+@contextlib.contextmanager
+def flush_denormals():
+    """Turn on flush-to-zero and denormals-are-zero (MXCSR bits 15 and 6) in this thread, as ONNX Runtime's
+    session.set_denormal_as_zero or another library may; glibc's x86-64 fenv_t keeps MXCSR at byte 28."""
+    libc = ctypes.CDLL(None)
+    saved = ctypes.create_string_buffer(32)
+    assert libc.fegetenv(saved) == 0
+    mxcsr = int.from_bytes(saved.raw[28:32], "little") | 0x8040
+    assert libc.fesetenv(ctypes.create_string_buffer(saved.raw[:28] + mxcsr.to_bytes(4, "little"))) == 0
+    try:
+        yield
+    finally:
+        libc.fesetenv(saved)
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.machine() == "x86_64"),
+                    reason="sets MXCSR through glibc's x86-64 fenv_t")
+def test_results_do_not_depend_on_the_callers_float_mode(lib, monkeypatch):
+    # tiny activations make the per-block scales and the products denormal
+    rng = np.random.default_rng(40)
+    session = open_session(model_bytes(random_layers(rng, [256, 2000], 4), kernels.DOMAIN), monkeypatch)
+    a = rng.standard_normal((3, 256)).astype(np.float32) * np.float32(1e-36)
+    plain = run(session, a)
+    assert np.any((plain != 0) & (np.abs(plain) < np.finfo(np.float32).tiny))  # denormal results exist
+    with flush_denormals():
+        flushed = run(session, a)  # one thread: the kernel runs on this one
+    np.testing.assert_array_equal(plain, flushed)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_error_within_the_activation_quantization_bound(lib, bits, monkeypatch):
+    rng = np.random.default_rng(20 + bits)
+    layers = random_layers(rng, [1000, 300], bits, bias=True)
+    a = rng.standard_normal((8, 1000)).astype(np.float32) * np.linspace(0.01, 3, 1000, dtype=np.float32)
+    ours = run(open_session(model_bytes(layers, kernels.DOMAIN), monkeypatch, 2), a)
+    bound = activation_error_bound(layers[0], a)
+    error = np.abs(ours - reference(layers, a))
+    assert np.all(error <= bound), f"max error / bound = {np.max(error / bound):.3f}"
+    assert np.max(error / bound) > 0.01  # the bound is of the right size, not vacuous
+    # ONNX Runtime's own int8-activation kernel (accuracy level 4) obeys the same bound on the same weights
+    ort_level4 = run(ort.InferenceSession(model_bytes(layers, kernels.ORT_DOMAIN), providers=["CPUExecutionProvider"]),
+                     a)
+    assert np.all(np.abs(ours - ort_level4) <= 2 * bound)
+
+
+BAD_NODES = [
+    ({"extra_attributes": {"bits": 3}}, "bits=3"),
+    ({"extra_attributes": {"block_size": 64}}, "block_size=64"),
+    ({"extra_attributes": {"K": None}}, "attribute 'K' is missing"),
+    ({"extra_attributes": {"N": 101}}, "B has shape [100, 7, 16]"),
+    ({"zero_points": True}, "zero_points are given"),
+    ({"g_idx": True}, "g_idx is given"),
+    ({"B_as_input": True}, "B is not a constant initializer"),
+]
+
+
+@pytest.mark.parametrize("tweak, message", BAD_NODES, ids=[m for _, m in BAD_NODES])
+def test_a_node_it_cannot_run_fails_the_session_with_the_reason(lib, tweak, message, monkeypatch):
+    layers = random_layers(np.random.default_rng(0), [200, 100], 4)
+    with pytest.raises(Exception, match="mirrorsd.kern MatMulNBits node 'mm0'") as caught:
+        open_session(model_bytes(layers, kernels.DOMAIN, **tweak), monkeypatch)
+    assert message in str(caught.value)
+
+
+def test_bad_inputs_at_run_time_give_an_error_not_a_crash(lib, monkeypatch):
+    layers = random_layers(np.random.default_rng(0), [200, 100], 4)
+    session = open_session(model_bytes(layers, kernels.DOMAIN, free_k=True), monkeypatch)
+    with pytest.raises(Exception, match=r"A has shape \[2, 201\], whose last dimension is not K=200"):
+        run(session, np.zeros((2, 201), np.float32))
+    assert run(session, np.zeros((0, 200), np.float32)).shape == (0, 100)  # no rows: an empty output
+    assert np.all(np.isfinite(run(session, np.zeros((3, 200), np.float32))))  # all-zero blocks: scale 0, no NaN
+
+
+def test_an_unknown_or_unsupported_path_is_refused(lib, monkeypatch):
+    model = model_bytes(random_layers(np.random.default_rng(0), [64, 32], 4), kernels.DOMAIN)
+    with pytest.raises(Exception, match="names no path"):
+        open_session(model, monkeypatch, isa="avx9000")
+    missing = [p for p in PATHS if not lib.paths.get(p)]
+    for path in missing:
+        with pytest.raises(Exception, match="names a path this CPU cannot run"):
+            open_session(model, monkeypatch, isa=path)
+
+
+def test_register_refuses_a_bad_replace_value(lib):
+    opts = ort.SessionOptions()
+    opts.add_session_config_entry(kernels.REPLACE_KEY, "yes")
+    with pytest.raises(Exception, match="must be"):
+        opts.register_custom_ops_library(str(lib.path))
