@@ -22,6 +22,7 @@ from mirrorsd.export.quantize import check_precision
 from mirrorsd.export.streaming import graph as streaming_graph
 
 GRAPHS = (prefix, exit_head, suffix, draft_graph)  # every graph module: ROLE, MODEL, build()
+ATTENTION = "grouped"  # every graph traces export/graphs/attention.py (recorded as Manifest.attention)
 DEFAULT_TOP_K = 8
 
 
@@ -93,6 +94,7 @@ def _write_error(output: Path, exc: OSError) -> OutputFolderError:
 def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_layer: int, progress,
                   streaming=None) -> Manifest:
     from mirrorsd.export.genai_config import write_genai_config
+    from mirrorsd.export.graphs.attention import traced_with_grouped_attention
     from mirrorsd.export.onnx_writer import write_onnx
     from mirrorsd.export.validate import require_all_passed, validate_draft, validate_target
 
@@ -101,7 +103,8 @@ def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_lay
         source = target if graph.MODEL == "target" else draft
         progress(f"tracing {graph.ROLE}")
         module, io, layer_range = graph.build(source, exit_layer, options.top_k)
-        write_onnx(module, io, scratch / names.graph_file(graph.ROLE))
+        with traced_with_grouped_attention(source.model):
+            write_onnx(module, io, scratch / names.graph_file(graph.ROLE))
         built[graph.ROLE] = (graph, io, layer_range)
     progress("validating against PyTorch")
     checks = validate_target(scratch, target, exit_layer, options.top_k) + validate_draft(scratch, draft)
@@ -124,7 +127,7 @@ def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_lay
         top_k=options.top_k, graphs=graphs, tokenizer=tokenizer, generation_defaults=_generation_defaults(target),
         export_options={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()
                         if k not in ("output", "force")},
-        versions=_versions())
+        versions=_versions(), attention=ATTENTION)
     manifest.save(scratch)
     write_genai_config(scratch, manifest)  # the target as an onnxruntime-genai decoder-pipeline model
     return manifest
@@ -140,16 +143,17 @@ def _quantize(scratch: Path, options: ExportOptions, target, draft, exit_layer: 
         progress(f"quantizing the target to {options.target_precision}")
         before, mask = validate.split_logits(scratch, target.info, exit_layer)
         for role in (names.PREFIX, names.EXIT_HEAD, names.SUFFIX):
-            quantize_graph(scratch / names.graph_file(role), options.target_precision)
+            quantize_graph(scratch / names.graph_file(role), options.target_precision, attention=ATTENTION)
         after, _ = validate.split_logits(scratch, target.info, exit_layer)
         effects.update({f"target_{k}": v for k, v in validate.quantization_effect(before, after, mask).items()})
     if options.draft_precision != "fp32":
         progress(f"quantizing the draft to {options.draft_precision}")
         before, mask = validate.draft_logits(scratch, draft.info)
-        quantize_graph(scratch / names.graph_file(names.DRAFT), options.draft_precision, model="draft")
+        quantize_graph(scratch / names.graph_file(names.DRAFT), options.draft_precision, model="draft",
+                       attention=ATTENTION)
         streaming_file = scratch / names.graph_file(names.DRAFT_STREAMING)
         if streaming_file.is_file():  # it shares draft.onnx's KV cache: same weights, same precision
-            quantize_graph(streaming_file, options.draft_precision, model="draft")
+            quantize_graph(streaming_file, options.draft_precision, model="draft", attention=ATTENTION)
         after, _ = validate.draft_logits(scratch, draft.info)
         effects.update({f"draft_{k}": v for k, v in validate.quantization_effect(before, after, mask).items()})
     return effects

@@ -3,14 +3,19 @@
     fp32   as traced
     int8   ONNX Runtime MatMulNBits: 8-bit weights in blocks of 32, symmetric
     int4   ONNX Runtime MatMulNBits: 4-bit weights in blocks of 32, symmetric
-Activations: the *target* computes in fp32 (accuracy level 1), the draft in int8 (accuracy level 4, faster).
-Measured on the Qwen pair: with int8 activations the target's one-row kernel and its window kernel disagree beyond
-float noise, and sd/mirror differed from ar on 2 of 12 prompts (docs/performance.md). A draft's numerics never
-change the output, so it keeps the fast int8 path.
+Activations are quantized to int8 per block within a row (accuracy level 4: ONNX Runtime's fast integer kernels),
+except in a *target* whose graphs use transformers' eager attention (folders exported before grouped attention,
+``Manifest.attention == "eager"``): those keep fp32 activations (level 1). Why: greedy losslessness needs a row's
+logits to be the same whether the target runs it alone (``ar``) or inside a verification window (``sd``/``mirror``).
+MatMulNBits at level 4 computes each row bitwise the same whatever the number of rows, but eager attention does not
+(ONNX Runtime's one-row and many-row float kernels sum in different orders), and every int8 re-quantization downstream
+turned those rounding differences into whole quantization steps: 0.28 logits on the Qwen target, and sd/mirror
+differed from ar on 2 of 12 prompts (docs/bench/rejected-int8-activation-target). Grouped attention
+(export/graphs/attention.py) keeps every row bitwise invariant, so its targets take the fast path exactly
+(scripts/window_invariance.py, tests/test_batch_invariance.py). A draft's numerics never change the output.
 
 Not ``quantize_dynamic``: it scales activations per *tensor*, so a row's result depends on the other rows of the
-batch; a verification window (gamma + 1 rows) would then not reproduce single-row decoding and SD would stop being
-lossless (tests/test_quantize.py caught exactly that). MatMulNBits quantizes activations per block *within a row*.
+batch (tests/test_quantize.py caught exactly that). MatMulNBits quantizes activations per block *within a row*.
 The embedding (a Gather) stays fp32. A tied LM head is a MatMul on its own constant-folded initializer in these
 TorchScript-traced graphs, so it is quantized like every other MatMul.
 Greedy losslessness is relative to the *exported target graphs*: with an int8/int4 target, every decoder emits
@@ -38,19 +43,26 @@ def check_precision(value: str, flag: str) -> str:
     return value
 
 
-ACCURACY_LEVEL = {"target": 1, "draft": 4}  # MatMulNBits: 1 = fp32 activations, 4 = int8 activations
+FP32_ACTIVATIONS, INT8_ACTIVATIONS = 1, 4  # MatMulNBits accuracy levels
 
 
-def quantize_graph(path: Path, precision: str, source: Path | None = None, model: str = "target") -> None:
+def accuracy_level(model: str, attention: str) -> int:
+    """int8 activations, except for a target whose attention is not batch-invariant (see the module docstring)."""
+    return INT8_ACTIVATIONS if model == "draft" or attention == "grouped" else FP32_ACTIVATIONS
+
+
+def quantize_graph(path: Path, precision: str, source: Path | None = None, model: str = "target",
+                   attention: str = "eager") -> None:
     """Write a quantized ``path`` (plus ``path.data`` when large) from ``source`` (default: ``path`` itself).
 
-    Old files at ``path`` are unlinked, never written through. fp32 leaves everything untouched.
+    ``attention`` is the folder's ``Manifest.attention``. Old files at ``path`` are unlinked, never written through.
+    fp32 leaves everything untouched.
     """
     if precision == "fp32":
         return
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".quant-{path.stem}-") as scratch:
-        _nbits(source or path, Path(scratch) / path.name, BITS[precision], ACCURACY_LEVEL[model])
+        _nbits(source or path, Path(scratch) / path.name, BITS[precision], accuracy_level(model, attention))
         for old in (path, path.with_name(path.name + ".data")):
             old.unlink(missing_ok=True)
         for new in Path(scratch).iterdir():

@@ -54,7 +54,8 @@ def requantize(source: Path, output: Path, target_precision: str, draft_precisio
             before, mask = measure(source)
             for role in roles:  # read from the source folder: onnx refuses hard-linked external data
                 file = manifest.graph(role).file
-                quantize_graph(scratch / file, precision, source=source / file, model=model)
+                quantize_graph(scratch / file, precision, source=source / file, model=model,
+                               attention=manifest.attention)
             after, _ = measure(scratch)
             effects[owner] = {f"{model}_{k}": v for k, v in validate.quantization_effect(before, after, mask).items()}
         graphs = {role: dataclasses.replace(spec, validation={**spec.validation, **effects.get(role, {})})

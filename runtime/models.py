@@ -11,6 +11,7 @@ import numpy as np
 
 from mirrorsd import names
 from mirrorsd.runtime.kv_cache import KVCache
+from mirrorsd.runtime.present_cache import PresentCache
 from mirrorsd.runtime.session import GraphSession
 
 ExitCallback = Callable[[np.ndarray, np.ndarray], None]  # (topk_ids [S, k], topk_logprobs [S, k])
@@ -26,12 +27,18 @@ def single_row_inputs(tokens: np.ndarray, past: int) -> tuple[np.ndarray, np.nda
 
 
 class TargetModel:
-    """The split target: prefix graph, early-exit head, suffix graph, and the KV caches of both halves."""
+    """The split target: prefix graph, early-exit head, suffix graph, and the KV caches of both halves.
 
-    def __init__(self, prefix: GraphSession, exit_head: GraphSession, suffix: GraphSession) -> None:
+    ``cache``: PresentCache (the graphs' presents kept as the cache, no copies), or KVCache (a preallocated buffer;
+    scripts/target_step_cost.py --cache buffer measures the difference).
+    """
+
+    def __init__(self, prefix: GraphSession, exit_head: GraphSession, suffix: GraphSession,
+                 cache: type = PresentCache) -> None:
         self.prefix, self.exit_head, self.suffix = prefix, exit_head, suffix
-        self.prefix_cache = KVCache(prefix.spec.kv)
-        self.suffix_cache = KVCache(suffix.spec.kv)
+        self._cache = cache
+        self.prefix_cache = cache(prefix.spec.kv)
+        self.suffix_cache = cache(suffix.spec.kv)
         self._hidden_name = prefix.output_names[0]
         self._logits_name = suffix.output_names[0]
         self._topk_ids, self._topk_logprobs = exit_head.output_names[:2]
@@ -41,8 +48,10 @@ class TargetModel:
         return self.prefix_cache.length
 
     def reset(self, batch: int = 1, capacity: int = 64) -> None:
-        self.prefix_cache = KVCache(self.prefix.spec.kv, batch, capacity)
-        self.suffix_cache = KVCache(self.suffix.spec.kv, batch, capacity)
+        """Empty caches for ``batch`` rows; ``capacity`` sizes a buffer cache (a present cache grows as it goes)."""
+        extra = (capacity,) if self._cache is KVCache else ()
+        self.prefix_cache = self._cache(self.prefix.spec.kv, batch, *extra)
+        self.suffix_cache = self._cache(self.suffix.spec.kv, batch, *extra)
 
     def truncate(self, length: int) -> None:
         self.prefix_cache.truncate(length)
