@@ -178,6 +178,7 @@ def write_stack(stack: Stack, pieces: dict, source, path: Path, precision: str, 
     """Write ``path`` (+ ``path.data`` when it passes 2 GB) piece by piece; ``on_piece(done, total)`` after each."""
     from onnx import helper
 
+    from mirrorsd.export.graphs.attention import KIND
     from mirrorsd.export.quantize import QUANTIZED, quantize_model
     from mirrorsd.export.tensor_file import TensorFile
 
@@ -189,7 +190,7 @@ def write_stack(stack: Stack, pieces: dict, source, path: Path, precision: str, 
         for done, instance in enumerate(placed, 1):
             model, rest = piece_model(instance, source, opset, ir_version, precision in QUANTIZED)
             if precision in QUANTIZED:
-                model = quantize_model(model, precision, model_kind)
+                model = quantize_model(model, precision, model_kind, KIND)
             # copies, not references: a sub-message keeps its whole model (this piece's weights) alive
             initializers += [_detached(data.add_proto(t)) for t in model.graph.initializer if not t.external_data]
             initializers += [data.add(name, rest.pop(name)) for name in list(rest)]

@@ -144,6 +144,7 @@ def _precision_note(module, job: ModelJob) -> str:
 def _validate_and_quantize(job: ModelJob, builds: dict, pieces: Pieces, chained: set, scratch: Path,
                            state: ResumeState, progress) -> dict[str, dict]:
     from mirrorsd.export import validate
+    from mirrorsd.export.graphs.attention import KIND
     from mirrorsd.export.quantize import QUANTIZED, quantize_graph
 
     shared: dict = {}
@@ -163,7 +164,7 @@ def _validate_and_quantize(job: ModelJob, builds: dict, pieces: Pieces, chained:
         state.unbuild(later)  # an interruption while they change precision rebuilds them
         for role in later:
             progress(f"quantizing {role} to {job.precision}")
-            quantize_graph(scratch / names.graph_file(role), job.precision, model=job.model)
+            quantize_graph(scratch / names.graph_file(role), job.precision, model=job.model, attention=KIND)
         progress(f"measuring what {job.precision} changes in the {job.model}'s logits")
         for role, effect in _effect(job, builds, shared, scratch).items():
             results[role].update(effect)

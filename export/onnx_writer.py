@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from mirrorsd.export.graphs.common import GraphIO
+from mirrorsd.export.graphs import attention
 
 OPSET = 17
 PROTOBUF_LIMIT = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GiB cap, with headroom for the graph itself
@@ -37,7 +38,7 @@ def write_onnx(module: torch.nn.Module, io: GraphIO, path: Path) -> Path:
     args = sample_args(io)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".trace-{path.stem}-") as scratch:
         traced = Path(scratch) / path.name
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), attention.traced_with_grouped_attention(module):
             warnings.simplefilter("ignore")  # tracer warnings about Python values are expected for config ints
             torch.onnx.export(
                 module, args, str(traced), input_names=[t.name for t in io.inputs],

@@ -18,6 +18,7 @@ from mirrorsd import names
 from mirrorsd.errors import ExportOptionError
 from mirrorsd.manifest import SCHEMA_VERSION, GraphSpec, Manifest, TokenizerInfo
 from mirrorsd.export.graphs import draft as draft_graph, draft_static, exit_head, prefix, suffix
+from mirrorsd.export.graphs import attention
 from mirrorsd.export.options import DEFAULT_TOP_K, ExportOptions
 from mirrorsd.export.quantize import check_precision
 from mirrorsd.export.streaming import graph as streaming_graph
@@ -90,7 +91,7 @@ def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_lay
     manifest = Manifest(
         schema_version=SCHEMA_VERSION, target=target.info, draft=draft.info, exit_layer=exit_layer,
         top_k=options.top_k, graphs=graphs, tokenizer=tokenizer, generation_defaults=_generation_defaults(target),
-        export_options=_recorded_options(options), versions=_versions())
+        export_options=_recorded_options(options), versions=_versions(), attention=attention.KIND)
     manifest.save(scratch)
     write_genai_config(scratch, manifest)  # the target as an onnxruntime-genai decoder-pipeline model
     state.remove()

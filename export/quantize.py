@@ -6,10 +6,16 @@
     int4   ONNX Runtime MatMulNBits: 4-bit weights in blocks of 32, symmetric
 A layer-streamed export quantizes each layer as it is written (assembly.py), ``mirrorsd quantize`` a finished fp32
 folder (requantize.py); both call ``quantize_model`` with these settings, and give the same bits.
-Activations: the *target* computes in fp32 (accuracy level 1), the draft in int8 (accuracy level 4, faster).
-Measured on the Qwen pair: with int8 activations the target's one-row kernel and its window kernel disagree beyond
-float noise, and sd/mirror differed from ar on 2 of 12 prompts (docs/performance.md). A draft's numerics never
-change the output, so it keeps the fast int8 path.
+Activations are quantized to int8 per block within a row (accuracy level 4: ONNX Runtime's fast integer kernels),
+except in a *target* whose graphs use transformers' eager attention (folders exported before grouped attention,
+``Manifest.attention == "eager"``): those keep fp32 activations (level 1). Why: greedy losslessness needs a row's
+logits to be the same whether the target runs it alone (``ar``) or inside a verification window (``sd``/``mirror``).
+MatMulNBits at level 4 computes each row bitwise the same whatever the number of rows, but eager attention does not
+(ONNX Runtime's one-row and many-row float kernels sum in different orders), and every int8 re-quantization downstream
+turned those rounding differences into whole quantization steps: 0.28 logits on the Qwen target, and sd/mirror
+differed from ar on 2 of 12 prompts (docs/bench/rejected-int8-activation-target). Grouped attention
+(export/graphs/attention.py) keeps every row bitwise invariant, so its targets take the fast path exactly
+(scripts/window_invariance.py, tests/test_batch_invariance.py). A draft's numerics never change the output.
 
 Not ``quantize_dynamic``: it scales activations per *tensor*, so a row's result depends on the other rows of the
 batch; a verification window (gamma + 1 rows) would then not reproduce single-row decoding and SD would stop being
@@ -42,42 +48,49 @@ def check_precision(value: str, flag: str, allowed: tuple[str, ...] = PRECISIONS
     return value
 
 
-ACCURACY_LEVEL = {"target": 1, "draft": 4}  # MatMulNBits: 1 = fp32 activations, 4 = int8 activations
+FP32_ACTIVATIONS, INT8_ACTIVATIONS = 1, 4  # MatMulNBits accuracy levels
 
 
-def quantize_model(model, precision: str, kind: str = "target"):
+def accuracy_level(model: str, attention: str) -> int:
+    """int8 activations, except for a target whose attention is not batch-invariant (see the module docstring)."""
+    return INT8_ACTIVATIONS if model == "draft" or attention == "grouped" else FP32_ACTIVATIONS
+
+
+def quantize_model(model, precision: str, kind: str = "target", attention: str = "eager"):
     """The one quantization step, for whole graphs and for the pieces of a layer-streamed export alike: every
-    MatMul whose weight is an initializer becomes MatMulNBits. Each MatMul's result depends on its weight and the
+    MatMul whose weight is an initializer becomes MatMulNBits (``attention``: the folder's ``Manifest.attention``). Each MatMul's result depends on its weight and the
     settings above only, so quantizing a graph piece by piece equals quantizing it whole."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     fold_weight_identities(model.graph)
     quantizer = MatMulNBitsQuantizer(model, bits=BITS[precision], block_size=BLOCK, is_symmetric=True,
-                                    accuracy_level=ACCURACY_LEVEL[kind])
+                                    accuracy_level=accuracy_level(kind, attention))
     quantizer.process()
     return quantizer.model.model
 
 
-def quantize_graph(path: Path, precision: str, source: Path | None = None, model: str = "target") -> None:
+def quantize_graph(path: Path, precision: str, source: Path | None = None, model: str = "target",
+                   attention: str = "eager") -> None:
     """Write a quantized ``path`` (plus ``path.data`` when large) from ``source`` (default: ``path`` itself).
 
-    Old files at ``path`` are unlinked, never written through. fp32 leaves everything untouched.
+    ``attention`` is the folder's ``Manifest.attention``. Old files at ``path`` are unlinked, never written through.
+    fp32 leaves everything untouched.
     """
     if precision == "fp32":
         return
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".quant-{path.stem}-") as scratch:
-        _nbits(source or path, Path(scratch) / path.name, precision, model)
+        _nbits(source or path, Path(scratch) / path.name, precision, model, attention)
         for old in (path, path.with_name(path.name + ".data")):
             old.unlink(missing_ok=True)
         for new in Path(scratch).iterdir():
             shutil.move(str(new), str(path.parent / new.name))
 
 
-def _nbits(src: Path, dst: Path, precision: str, kind: str) -> None:
+def _nbits(src: Path, dst: Path, precision: str, kind: str, attention: str) -> None:
     import onnx
 
-    result = quantize_model(onnx.load(str(src), load_external_data=True), precision, kind)
+    result = quantize_model(onnx.load(str(src), load_external_data=True), precision, kind, attention)
     large = result.ByteSize() >= PROTOBUF_LIMIT
     onnx.save_model(result, str(dst), save_as_external_data=large, all_tensors_to_one_file=True,
                     location=dst.name + ".data" if large else None, size_threshold=1024)

@@ -62,7 +62,8 @@ def requantize(source: Path, output: Path, target_precision: str | None = None, 
             before, mask = validate.model_logits(source, model, info, manifest.exit_layer, kv)
             for role in roles[model]:  # read from the source folder: onnx refuses hard-linked external data
                 file = manifest.graph(role).file
-                quantize_graph(stage.path / file, precision, source=source / file, model=model)
+                quantize_graph(stage.path / file, precision, source=source / file, model=model,
+                               attention=manifest.attention)
             after, _ = validate.model_logits(stage.path, model, info, manifest.exit_layer, kv)
             effects[registry.effect_owner(model)] = validate.quantization_effect(model, before, after, mask)
         graphs = {role: dataclasses.replace(spec, validation={**spec.validation, **effects.get(role, {})})

@@ -29,6 +29,7 @@ from mirrorsd.export.architectures import Architecture
 from mirrorsd.export.graphs.base import HEAD_LOGITS, HEAD_TOPK, LAYER, STEM_HIDDEN, STEM_IDS
 from mirrorsd.export.graphs.common import ExplicitCache, Head, Stem, run_layers
 from mirrorsd.export.graphs.exit_head import ExitHead
+from mirrorsd.export.graphs import attention
 
 SAMPLE = {"batch": 2, "seq": 3, "past": 2}  # trace dims, all different so that no axis is specialised by accident
 MIN_VOCAB = 64  # the stand-in's vocabulary (at least top_k + 1): the real one only changes initializer shapes
@@ -150,7 +151,7 @@ def _trace(kind: str, dtype: torch.dtype, make, args, input_names, output_names,
 
     module = make()
     buffer = io.BytesIO()
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), attention.traced_with_grouped_attention(module):
         warnings.simplefilter("ignore")  # tracer warnings about Python values are expected for config ints
         torch.onnx.export(module, args, buffer, input_names=input_names, output_names=output_names,
                           dynamic_axes=axes, opset_version=OPSET, do_constant_folding=True, dynamo=False)

@@ -18,6 +18,7 @@ from mirrorsd.errors import ManifestError
 from mirrorsd.names import MANIFEST_FILE
 
 SCHEMA_VERSION = 1
+ATTENTION_KINDS = ("grouped", "eager")  # Manifest.attention
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,10 @@ class Manifest:
     generation_defaults: dict[str, Any]
     export_options: dict[str, Any]
     versions: dict[str, str]
+    # How the graphs compute attention: "grouped" (export/graphs/attention.py: a row's result does not depend on the
+    # rows verified beside it, so a quantized target may use int8 activations) or "eager" (folders exported before
+    # it; quantized targets then keep fp32 activations).
+    attention: str = "eager"
 
     def graph(self, role: str) -> GraphSpec:
         try:
@@ -142,6 +147,10 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
             f"{path} has schema version {version!r}", f"this mirrorsd reads version {SCHEMA_VERSION} only",
             "re-export the model with this version of mirrorsd-export (or install the mirrorsd that wrote it)")
     manifest = _from_json(Manifest, data, "manifest")
+    if manifest.attention not in ATTENTION_KINDS:
+        raise ManifestError(f"{path} names an unknown attention kind {manifest.attention!r}",
+                            f"this mirrorsd knows {', '.join(ATTENTION_KINDS)}",
+                            "re-export the model with this version of mirrorsd-export")
     for spec in manifest.graphs.values():
         check_inside(folder, spec.file, f"graph '{spec.role}'")
     check_inside(folder, manifest.tokenizer.directory, "tokenizer directory")

@@ -28,12 +28,19 @@ def single_row_inputs(tokens: np.ndarray, past: int) -> tuple[np.ndarray, np.nda
 
 
 class TargetModel:
-    """The split target: prefix graph, early-exit head, suffix graph, and the KV caches of both halves."""
+    """The split target: prefix graph, early-exit head, suffix graph, and the KV caches of both halves.
 
-    def __init__(self, prefix: GraphSession, exit_head: GraphSession, suffix: GraphSession) -> None:
+    ``cache``: "present" (the graphs' presents kept as the cache, no copies; runtime/present_cache.py) or "buffer"
+    (a preallocated buffer; scripts/target_step_cost.py --cache buffer measures the difference). A stateful backend
+    keeps its own cache whatever this says (runtime/state_cache.py).
+    """
+
+    def __init__(self, prefix: GraphSession, exit_head: GraphSession, suffix: GraphSession,
+                 cache: str = "present") -> None:
         self.prefix, self.exit_head, self.suffix = prefix, exit_head, suffix
-        self.prefix_cache = target_cache(prefix)
-        self.suffix_cache = target_cache(suffix)
+        self._cache = cache
+        self.prefix_cache = target_cache(prefix, kind=cache)
+        self.suffix_cache = target_cache(suffix, kind=cache)
         self._hidden_name = prefix.output_names[0]
         self._logits_name = suffix.output_names[0]
         self._topk_ids, self._topk_logprobs = exit_head.output_names[:2]
@@ -43,8 +50,9 @@ class TargetModel:
         return self.prefix_cache.length
 
     def reset(self, batch: int = 1, capacity: int = 64) -> None:
-        self.prefix_cache = target_cache(self.prefix, batch, capacity)
-        self.suffix_cache = target_cache(self.suffix, batch, capacity)
+        """Empty caches for ``batch`` rows; ``capacity`` sizes a buffer cache (a present cache grows as it goes)."""
+        self.prefix_cache = target_cache(self.prefix, batch, capacity, self._cache)
+        self.suffix_cache = target_cache(self.suffix, batch, capacity, self._cache)
 
     def truncate(self, length: int) -> None:
         self.prefix_cache.truncate(length)

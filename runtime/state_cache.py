@@ -35,10 +35,12 @@ class StateCache:
         self.length = length
 
 
-def target_cache(session, batch: int = 1, capacity: int = 64):
-    """The cache for one of the target's graphs: its backend's state when the session is stateful, else a buffer."""
+def target_cache(session, batch: int = 1, capacity: int = 64, kind: str = "present"):
+    """The cache for one of the target's graphs: its backend's state when the session is stateful, else the graph's
+    presents (``kind`` "present", runtime/present_cache.py) or a preallocated buffer ("buffer", KVCache)."""
     from mirrorsd.runtime.kv_cache import KVCache
+    from mirrorsd.runtime.present_cache import PresentCache
 
     if getattr(session.backend, "stateful", False):
         return StateCache(session.backend, batch)
-    return KVCache(session.spec.kv, batch, capacity)
+    return PresentCache(session.spec.kv, batch) if kind == "present" else KVCache(session.spec.kv, batch, capacity)

@@ -58,30 +58,3 @@ def test_unknown_precision_is_refused(tiny_model, tmp_path):
     with pytest.raises(ExportOptionError, match="not a precision"):
         export(ExportOptions(model=tiny_model("llama"), output=tmp_path / "x", draft_precision="int3"))
     assert not (tmp_path / "x").exists()
-
-
-def window_vs_rows(folder) -> float:
-    """Max |logit diff| between a 5-token verification window and the same tokens decoded one at a time."""
-    import numpy as np
-
-    with Pipeline.load(folder) as pipe:
-        target = pipe.target
-        target.reset(1, 64)
-        target.extend(PROMPTS[1])
-        base = target.length
-        window = [5, 9, 33, 12, 8]
-        together = target.extend(window)  # [5, vocab]
-        target.truncate(base)
-        alone = np.stack([target.extend([token])[-1] for token in window])
-    return float(np.abs(together - alone).max())
-
-
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
-def test_a_quantized_target_verifies_a_window_as_it_decodes_one_row(precision, tiny_model, tmp_path):
-    """ALGORITHM.md (a): a row's logits must not depend on the rows beside it beyond float noise, or SD stops
-    reproducing target-only decoding. This guards the invariant; it does not reproduce the failure that motivated
-    fp32 activations for the target: with int8 activations (MatMulNBits accuracy level 4) the Qwen-1.5B target's
-    one-row and window kernels disagreed (sd != ar on 2 of 12 prompts), while this 64-wide model passes either way."""
-    out = tmp_path / precision
-    export(ExportOptions(model=tiny_model("llama"), output=out, draft_layers=2, target_precision=precision))
-    assert window_vs_rows(out) < 1e-3

@@ -21,7 +21,7 @@ CHAT_TEMPLATE = (
 CONFIGS = {
     "llama": dict(cls="LlamaConfig", extra={}),
     "qwen2": dict(cls="Qwen2Config", extra={}),
-    "qwen3": dict(cls="Qwen3Config", extra={"head_dim": 16}),
+    "qwen3": dict(cls="Qwen3Config", extra={}),  # its head_dim defaults to 128: build_model sets hidden / heads
     "mistral": dict(cls="MistralConfig", extra={"sliding_window": None}),
 }
 
@@ -47,7 +47,7 @@ def build_tokenizer(folder: Path, corpus: list[str] = CORPUS):
 
 def build_model(folder: Path, model_type: str = "llama", layers: int = 4, seed: int = 0, hidden: int = 64,
                 init_range: float = 0.3, corpus: list[str] = CORPUS, max_positions: int = 512,
-                vocab_size: int = VOCAB) -> Path:
+                vocab_size: int = VOCAB, heads: int = 4, kv_heads: int = 2) -> Path:
     """Write a tiny random causal LM + tokenizer as a Hugging Face folder and return the folder.
 
     ``vocab_size`` above the tokenizer's VOCAB tokens adds embedding rows that no token uses (as padded
@@ -59,11 +59,13 @@ def build_model(folder: Path, model_type: str = "llama", layers: int = 4, seed: 
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(folder, corpus)
     spec = CONFIGS[model_type]
+    extra = {**spec["extra"], **({"head_dim": hidden // heads} if model_type == "qwen3" else {})}
     config = getattr(transformers, spec["cls"])(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, initializer_range=init_range,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+        initializer_range=init_range,
         tie_word_embeddings=(model_type == "llama"), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, **spec["extra"])
+        pad_token_id=tok.pad_token_id, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     model.save_pretrained(str(folder), safe_serialization=True)
