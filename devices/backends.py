@@ -82,6 +82,7 @@ class SessionSettings:
     fixed_shapes: bool = False  # compile one static-shape variant per input shape seen (what an NPU needs)
     openvino: OpenVINOTuning = OpenVINOTuning()
     kv_pairs: tuple[tuple[str, str], ...] = ()  # (past input, present output) names; a stateful graph needs them
+    kernels: str = "ort"  # ONNX Runtime CPU: "mirrorsd" runs runtime/kernels' MatMulNBits (devices/kernel_choice.py)
 
 
 class BackendSession(Protocol):
@@ -110,6 +111,16 @@ class OrtSession:
         providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
         if provider == "DmlExecutionProvider":
             opts.enable_mem_pattern = False  # DirectML's documented requirement
+        self.kernels = "ort"
+        if settings.kernels == "mirrorsd" and provider == "CPUExecutionProvider":
+            from mirrorsd.runtime import kernels
+            from mirrorsd.runtime.kernels.rewrite import imports_ort_domain
+
+            # Only graphs that hold MatMulNBits: registering the replacement claims ONNX Runtime's contrib domain,
+            # and a graph that does not import it then fails to load the contrib ops its optimizer fuses in.
+            if imports_ort_domain(path):
+                kernels.register(opts, replace=True)  # every com.microsoft MatMulNBits node runs mirrorsd's kernel
+                self.kernels = "mirrorsd"
         self._open(lambda: ort.InferenceSession(str(path), opts, providers=providers), path)
 
     @staticmethod
@@ -359,6 +370,9 @@ def _cached_attention(compiled) -> int:
 BACKENDS = {"onnxruntime": OrtSession, "ort-openvino": OrtPluginSession, "openvino": OpenVINOSession}
 
 
-def default_threads(sessions_running_at_once: int) -> int:
-    """Split this machine's cores between the sessions that run concurrently (at least one each)."""
-    return max(1, (os.cpu_count() or 1) // max(1, sessions_running_at_once))
+def default_threads() -> int:
+    """Every core for each session, whatever the mode. ar and sd never run two sessions at once, so each should
+    have the whole CPU (sd with half the cores was 1.5-2x slower); Mirror-SD's draft and target then share the cores
+    (with spinning off, an idle session's threads sleep), which measured faster than splitting them: Qwen2.5-Coder
+    1.5B + 0.5B int4 on 2 cores, mirror 11.1 tok/s with 2 + 2 threads vs 10.1 with 1 + 1 (docs/performance.md)."""
+    return max(1, os.cpu_count() or 1)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from mirrorsd import names
 from mirrorsd.devices.backends import BACKENDS, OpenVINOTuning, OrtSession, SessionSettings
+from mirrorsd.devices.kernel_choice import resolve_kernels
 from mirrorsd.devices.probe import PLUGIN_EP, DeviceReport, probe
 from mirrorsd.errors import DeviceError
 
@@ -78,6 +79,7 @@ class DeviceRequest:
     # int4, 2 threads); the draft's exactness does not matter and fusing its attention did not make it faster.
     target_openvino: OpenVINOTuning = OpenVINOTuning(attention="fused", stateful=True, kv_precision="f16")
     draft_openvino: OpenVINOTuning = OpenVINOTuning(attention="as-exported")
+    kernels: str = AUTO  # MatMulNBits on ONNX Runtime CPU: auto | mirrorsd | ort (devices/kernel_choice.py)
 
 
 @dataclass(frozen=True)
@@ -229,6 +231,8 @@ class Plan:
 
     target: Decision
     draft: Decision
+    kernels: str = "ort"  # the MatMulNBits kernel of ONNX Runtime CPU sessions (devices/kernel_choice.py)
+    kernels_note: str = ""  # why auto did not take mirrorsd's kernels
 
     def decision(self, model: str) -> Decision:
         return self.target if model == "target" else self.draft
@@ -257,6 +261,8 @@ class Plan:
             out += [f"      skipped {label}: {why}" for label, why in d.skipped]
             if d.requested == AUTO and not d.skipped:
                 out.append("      first choice of the auto chain")
+        out.append(f"  MatMulNBits on ONNX Runtime CPU: {self.kernels}'s kernels"
+                   + (f" (mirrorsd's: {self.kernels_note})" if self.kernels_note else ""))
         return out
 
 
@@ -276,8 +282,9 @@ def plan_placement(manifest, request: DeviceRequest, policy: PlacementPolicy | N
                           f"its graphs are {', '.join(sorted(manifest.graphs))}",
                           "re-export with mirrorsd-export --static-draft --max-context N")
     static_available = names.DRAFT_STATIC in manifest.graphs
+    kernels, note = resolve_kernels(request.kernels)
     plan = Plan(policy.decide("target", request.target),
-                policy.decide("draft", request.draft, static_available, request.static_draft))
+                policy.decide("draft", request.draft, static_available, request.static_draft), kernels, note)
     if warn:
         plan.warn()
     return plan
@@ -292,18 +299,21 @@ class Placement:
     fell_back: bool
     reason: str = ""
     static: bool = False  # the fixed-shape draft graph
+    kernels: str = "ort"  # whose MatMulNBits kernel runs it (ONNX Runtime CPU only)
 
     def describe(self) -> str:
         shapes = " [static shapes]" if self.static else ""
+        kernels = " [mirrorsd kernels]" if self.kernels == "mirrorsd" else ""
         note = f" (fell back: {self.reason})" if self.fell_back else ""
-        return f"{self.backend}:{self.effective}{shapes}{note}"
+        return f"{self.backend}:{self.effective}{shapes}{kernels}{note}"
 
 
 def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, decision: Decision | None = None,
-               kv=None):
+               kv=None, kernels: str = "ort"):
     """Open one graph for ``model`` as decided (or as the request says); returns (backend session, Placement).
 
     ``kv`` (the graph's KVSpec) names its past/present pairs, which a stateful OpenVINO session turns into state.
+    ``kernels`` (Plan.kernels) is whose MatMulNBits kernel an ONNX Runtime CPU session runs.
 
     After opening, what really runs the graph is compared with the choice: ONNX Runtime moves a graph to its CPU
     provider silently when the accelerator cannot take it. An explicit device then fails; ``auto`` records it.
@@ -319,7 +329,7 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
         raise DeviceError("The OpenVINO settings asked for the target would make sd/mirror differ from ar",
                           tuning.inexact(), "use the default DeviceRequest.target_openvino")
     settings = SessionSettings(choice.device, threads, "f32", fixed_shapes=decision.static and
-                               choice.backend == "openvino", openvino=tuning, kv_pairs=kv_pairs(kv))
+                               choice.backend == "openvino", openvino=tuning, kv_pairs=kv_pairs(kv), kernels=kernels)
     session = BACKENDS[choice.backend](path, settings)
     fell_back, reason = decision.fell_back, decision.reason
     lost = _lost_device(choice, session.effective)
@@ -330,7 +340,7 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
         fell_back, reason = True, "; ".join(r for r in (reason, lost) if r)
         warnings.warn(f"{model}: {lost}", DeviceFallbackWarning, stacklevel=2)
     return session, Placement(model, decision.requested, session.effective, choice.backend, fell_back, reason,
-                              decision.static)
+                              decision.static, getattr(session, "kernels", "ort"))
 
 
 def kv_pairs(kv) -> tuple[tuple[str, str], ...]:

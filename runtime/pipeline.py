@@ -76,15 +76,16 @@ class Pipeline:
         for role in names.GRAPH_ROLES:
             spec = manifest.graph(plan.graph_role(role))  # the draft may be served by draft_static
             threads = (devices.target_threads if spec.model == "target" else devices.draft_threads) \
-                or default_threads(2)
+                or default_threads()
             backend, placement = open_graph(graph_path(folder, spec), spec.model, devices, threads,
-                                            plan.decision(spec.model), spec.kv)
+                                            plan.decision(spec.model), spec.kv, plan.kernels)
             sessions[role] = GraphSession(spec, backend, placement, timelines[spec.model])
             placements[role] = placement
         if names.DRAFT_STREAMING in manifest.graphs and not plan.decision("draft").static:
             spec = manifest.graph(names.DRAFT_STREAMING)  # beside the draft: same device, same KV cache
             backend, placement = open_graph(graph_path(folder, spec), spec.model, devices,
-                                            devices.draft_threads or default_threads(2), plan.decision("draft"))
+                                            devices.draft_threads or default_threads(), plan.decision("draft"),
+                                            kernels=plan.kernels)
             sessions[spec.role] = GraphSession(spec, backend, placement, timelines["draft"])
             placements[spec.role] = placement
         return cls(folder, manifest, sessions, placements)

@@ -16,7 +16,9 @@ from mirrorsd.export.graphs import attention
 from mirrorsd.export.pipeline import ExportOptions, export
 from mirrorsd.export.quantize import INT8_ACTIVATIONS, quantize_graph
 from mirrorsd.export.requantize import requantize
+from mirrorsd.runtime import kernels
 from mirrorsd.manifest import load_manifest
+from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import GenerationConfig, Pipeline
 
 from tiny_models import build_model
@@ -25,10 +27,10 @@ PROMPT = [1, 250, 3, 3, 3, 100, 200, 12, 8, 17, 42]
 WINDOW = 5
 
 
-def window_vs_rows(folder, steps: int = 12) -> tuple[float, int]:
+def window_vs_rows(folder, steps: int = 12, kernels: str = "ort") -> tuple[float, int]:
     """Along the target's own greedy text: max |logit diff| between each 5-token window and the same tokens fed
     one at a time, and how many argmaxes differ."""
-    with Pipeline.load(folder) as pipe:
+    with Pipeline.load(folder, DeviceRequest(kernels=kernels)) as pipe:
         tokens = pipe.generate(PROMPT, GenerationConfig(mode="ar", max_new_tokens=steps + WINDOW)).tokens
         target = pipe.target
         target.reset(1, 128)
@@ -64,6 +66,24 @@ def test_window_rows_are_bitwise_the_rows_decoded_alone(wide_model, tmp_path, mo
                          target_precision=precision))
     assert load_manifest(out).attention == "grouped"
     assert window_vs_rows(out) == (0.0, 0)
+    if precision != "fp32" and kernels.unavailable_reason() is None:  # mirrorsd's kernels: exact by construction
+        assert window_vs_rows(out, kernels="mirrorsd") == (0.0, 0)
+
+
+@pytest.mark.parametrize("kernel", ["ort", "mirrorsd"])
+def test_every_mode_equals_ar_with_either_kernel(wide_model, tmp_path, kernel):
+    """sd and mirror reproduce ar token for token on an int4 target with each MatMulNBits kernel."""
+    if kernel == "mirrorsd" and kernels.unavailable_reason():
+        pytest.skip(f"mirrorsd's kernels cannot run here: {kernels.unavailable_reason()}")
+    out = tmp_path / "q"
+    export(ExportOptions(model=wide_model(), output=out, draft_layers=1, target_precision="int4",
+                         draft_precision="int4"))
+    with Pipeline.load(out, DeviceRequest(kernels=kernel)) as pipe:
+        assert pipe.placements["suffix"].kernels == kernel
+        for prompt in ([1, 17, 42, 99, 7], PROMPT):
+            ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=24)).tokens
+            for mode in ("sd", "mirror"):
+                assert pipe.generate(prompt, GenerationConfig(mode=mode, max_new_tokens=24)).tokens == ar
 
 
 def test_eager_attention_with_int8_activations_is_not_invariant(wide_model, tmp_path, monkeypatch):

@@ -57,6 +57,19 @@ def read_switched(path: Path, to: str = DOMAIN) -> tuple[bytes, int]:
     return bytes(model), count
 
 
+def imports_ort_domain(path: Path) -> bool:
+    """Whether the ONNX file ``path`` imports ONNX Runtime's contrib domain (the only way it can hold MatMulNBits).
+    Reads the top-level fields only, skipping the graph by its length (the file is mapped, not read)."""
+    import mmap
+
+    try:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return ORT_DOMAIN in _opset_domains(mapped)
+    except (MalformedProtobuf, ValueError) as exc:
+        raise GraphFileError(f"Graph file '{Path(path).name}' is not a valid ONNX model", str(exc),
+                             "re-export the folder") from None
+
+
 def external_data_config(path: Path) -> dict[str, str]:
     """The session config entries under which ONNX Runtime finds ``path``'s external data when given its bytes."""
     return {"session.model_external_initializers_file_folder_path": str(Path(path).resolve().parent)}

@@ -1,0 +1,36 @@
+"""Which MatMulNBits kernel ONNX Runtime CPU sessions run: mirrorsd's (runtime/kernels) or ONNX Runtime's own.
+
+    auto      mirrorsd's when it builds and runs a fast path on this CPU, else ONNX Runtime's (the reason is kept for
+              ``mirrorsd devices`` and the generation statistics, not warned: nothing the user asked for was refused)
+    mirrorsd  mirrorsd's, or DeviceError saying why it cannot run here
+    ort       ONNX Runtime's
+
+Both are exact: each computes a row's bits the same whatever the number of rows beside it (ONNX Runtime's at accuracy
+level 4, measured; mirrorsd's by construction), so sd/mirror equal ar with either. They are not bitwise equal to each
+other, so compare modes within one choice. mirrorsd's is the faster (docs/performance.md: Qwen2.5-Coder 1.5B int4
+target forward 36 vs 47 ms for one row, 44 vs 89 ms for five, 2 threads on a Zen 4 core pair).
+"""
+from __future__ import annotations
+
+from mirrorsd.errors import DeviceError, KernelsUnavailableError
+
+CHOICES = ("auto", "mirrorsd", "ort")
+MIRRORSD, ORT = "mirrorsd", "ort"
+
+
+def resolve_kernels(asked: str) -> tuple[str, str]:
+    """(kernel, why ONNX Runtime's is used when auto could not take mirrorsd's, else "")."""
+    if asked not in CHOICES:
+        raise DeviceError(f"Unknown kernels '{asked}'", f"the choices are {', '.join(CHOICES)}", "pick one")
+    if asked == ORT:
+        return ORT, ""
+    from mirrorsd.runtime import kernels
+
+    try:
+        kernels.usable_library()  # builds the library once into the cache when it is missing
+    except KernelsUnavailableError as exc:
+        if asked == MIRRORSD:
+            raise DeviceError("mirrorsd's kernels cannot run here", exc.why,
+                              f"{exc.fix}; or pass --kernels ort (or auto)") from None
+        return ORT, str(exc)
+    return MIRRORSD, ""
