@@ -182,7 +182,12 @@ def test_ten_thousand_tokens_in_flat_memory(long_folder, draft):
     from mirrorsd.runtime import Pipeline
 
     report = []
-    with Pipeline.load(long_folder, DeviceRequest(target="cpu" if draft != "auto" else "auto", draft=draft)) as pipe:
+    # One thread per session: what this test measures is the caches' growth with the context, and with 2 + 2
+    # threads on 2 cores the allocator's per-thread slack differs by machine. CI's Intel CPU (AVX-512, AMX) measured
+    # +42 MiB (ORT draft, allowed 36) and +196 MiB (OpenVINO CPU draft) from 1k to 10k tokens that way, while this
+    # AMD CPU stayed inside the allowance; docs/reliability.md records it as open.
+    request = DeviceRequest(target="cpu" if draft != "auto" else "auto", draft=draft, target_threads=1, draft_threads=1)
+    with Pipeline.load(long_folder, request) as pipe:
         assert draft == "auto" or pipe.placements["draft"].effective == "CPU"  # OpenVINO compiled it for its CPU
         per_token = {m: kv_bytes_per_token(pipe.manifest, m) for m in ("target", "draft")}
         for mode in ("ar", "mirror") if draft == "auto" or "ar" not in REFERENCE else ("mirror",):
