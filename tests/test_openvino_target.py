@@ -76,7 +76,20 @@ def test_a_stateful_target_verifies_a_window_bitwise_as_it_decodes_rows(int4_exp
     trim after a rollback restores the kept slots bit for bit (f16/bf16 round-trip through f32 exactly)."""
     tuning = dataclasses.replace(DEFAULT, kv_precision=kv_precision)
     with Pipeline.load(int4_export, on_openvino(tuning)) as pipe:
-        assert window_vs_rows(pipe.target) == 0.0
+        if plugin_rows_are_bitwise():
+            assert window_vs_rows(pipe.target) == 0.0
+        else:  # float noise, far below a quantization step: sd/mirror stay exact up to near-ties (test below)
+            assert window_vs_rows(pipe.target) < 1e-3
+
+
+def plugin_rows_are_bitwise() -> bool:
+    """The plugin's int8-activation kernels gave a row bitwise the same alone or in a window on the AVX-512 CPUs
+    measured (AMD Zen 4, Intel Xeon); on an AVX2-only AMD EPYC one-row and window rows differed by ~2e-5."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            return "avx512f" in handle.read()
+    except OSError:
+        return False
 
 
 def test_the_window_check_sees_a_row_invariance_break(int4_export):
@@ -106,17 +119,26 @@ def test_rollback_gives_the_state_that_never_saw_the_rejected_slots(int4_export)
     prefill attends to its own f32 keys, a later call to the cache's f16 ones; ar and sd both prefill the prompt.)"""
     with Pipeline.load(int4_export, on_openvino()) as pipe:
         target = pipe.target
-        target.reset(1, 64)
-        target.extend(PROMPTS[1])
-        target.extend([5, 9, 33])
-        target.truncate(len(PROMPTS[1]) + 1)  # keep one of the three
-        assert isinstance(target.suffix_cache, StateCache) and target.suffix.backend.state_length == 12
-        rolled_back = target.extend([77, 78])
-        assert target.suffix.backend.state_length == target.length == len(PROMPTS[1]) + 3
+
+        def after_rollback(window: list[int]):
+            target.reset(1, 64)
+            target.extend(PROMPTS[1])
+            target.extend(window)
+            target.truncate(len(PROMPTS[1]) + 1)  # keep the first of the three
+            assert isinstance(target.suffix_cache, StateCache) and target.suffix.backend.state_length == 12
+            logits = target.extend([77, 78])
+            assert target.suffix.backend.state_length == target.length == len(PROMPTS[1]) + 3
+            return logits
+
+        rolled_back = after_rollback([5, 9, 33])
+        assert np.array_equal(after_rollback([5, 120, 7]), rolled_back)  # the rejected slots leave no trace
         target.reset(1, 64)
         target.extend(PROMPTS[1])
         target.extend([5])
-        assert np.array_equal(target.extend([77, 78]), rolled_back)
+        if plugin_rows_are_bitwise():  # and equal to never having verified a window at all
+            assert np.array_equal(target.extend([77, 78]), rolled_back)
+        else:
+            assert np.abs(target.extend([77, 78]) - rolled_back).max() < 1e-3
         with pytest.raises(ValueError, match="cannot truncate"):
             target.truncate(target.length + 1)
 
