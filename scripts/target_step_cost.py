@@ -1,6 +1,6 @@
 """What one target forward costs, by window width and context length: the terms of the SD step-time model.
 
-    python scripts/target_step_cost.py EXPORT_DIR [--contexts 128,512,1024,2048,4096] [--widths 1,2,3,4,5]
+    python scripts/target_step_cost.py EXPORT_DIR [--contexts 128,512,1024,2048,4096] [--widths 1,2,3,4,5] [--kernels auto]
                                                   [--threads 2] [--device cpu] [--repeats 7]
 
 Prefills random token ids up to each context length (growing one cache), then times a forward of W new tokens at
@@ -30,12 +30,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--kernels", choices=("auto", "mirrorsd", "ort"), default="auto",
+                        help="whose MatMulNBits kernel ONNX Runtime CPU sessions run (as for generate)")
     parser.add_argument("--cache", choices=("present", "buffer"), default="present",
                         help="the target's KV cache: the graphs' presents (shipped) or a preallocated buffer (before)")
     args = parser.parse_args()
     contexts = sorted(int(c) for c in args.contexts.split(","))
     widths = [int(w) for w in args.widths.split(",")]
-    request = DeviceRequest(target=args.device, draft="cpu", target_threads=args.threads, draft_threads=1)
+    request = DeviceRequest(target=args.device, draft="cpu", target_threads=args.threads, draft_threads=1,
+                            kernels=args.kernels)
     rng = np.random.default_rng(0)
     with Pipeline.load(args.folder, request) as pipe:
         target, info = pipe.target, pipe.manifest.target

@@ -22,8 +22,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt", default="Write a Python function that merges two sorted lists.")
     parser.add_argument("--target-device", default="auto", help="where the target runs (see `mirrorsd devices`)")
+    parser.add_argument("--kernels", choices=("auto", "mirrorsd", "ort"), default="auto",
+                        help="whose MatMulNBits kernel ONNX Runtime CPU sessions run (as for generate)")
     args = parser.parse_args()
-    with Pipeline.load(args.folder, DeviceRequest(target=args.target_device, draft="cpu")) as pipe:
+    with Pipeline.load(args.folder, DeviceRequest(target=args.target_device, draft="cpu", kernels=args.kernels)) as pipe:
         prompt = pipe.encode(args.prompt, GenerationConfig())
         tokens = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=args.steps + args.window)).tokens
         target, worst, flips, rows = pipe.target, 0.0, 0, 0
