@@ -204,6 +204,26 @@ class NativeModel:
         self.info["eos_token_ids"] = list(info.eos_token_ids[:info.eos_count])
         self.placement = {"target": info.target_provider.decode(), "draft": info.draft_provider.decode()}
         self.kernels = {"target": info.target_kernels.decode(), "draft": info.draft_kernels.decode()}
+        self.folder = Path(folder)
+
+    def inexact_windows(self) -> str:
+        """Why sd/mirror would not emit ar's tokens here, or "": Pipeline.inexact_windows' rule (a quantized
+        grouped-attention target on ONNX Runtime's own CPU kernel, on a CPU where that kernel is not row-invariant)."""
+        from mirrorsd.manifest import load_manifest
+
+        manifest = load_manifest(self.folder)
+        precision = manifest.export_options.get("target_precision")
+        if manifest.attention != "grouped" or precision not in ("int4", "int8") or self.kernels["target"] != "ort" \
+                or "CPU" not in self.placement["target"]:
+            return ""
+        from mirrorsd.devices.ort_kernel_check import ort_int8_kernel_difference
+
+        difference = ort_int8_kernel_difference()
+        if difference == 0.0:
+            return ""
+        return (f"the {precision} target runs ONNX Runtime's MatMulNBits kernel with int8 activations (no "
+                f"kernels_library), whose one-row path differs from its several-row path on this CPU (by "
+                f"{difference:.1e} per layer), so verification windows drift from one-row decoding")
 
     def generate(self, ids: list[int], mode: str = G.mode, max_new_tokens: int = G.max_new_tokens,
                  gamma: int = G.gamma, branches: int = G.branches, branch_batch: int = G.branch_batch,
@@ -213,6 +233,10 @@ class NativeModel:
         """Decode ``ids`` with the C++ decoders; the settings and their defaults are GenerationConfig's."""
         if self.handle is None:
             raise NativeLibraryError("The native model is closed", "close() was called", "open it again")
+        if mode != "ar" and (why := self.inexact_windows()):
+            raise GenerationInputError(f"mode {mode} would not reproduce target-only decoding here", why,
+                                       "open with kernels='mirrorsd' or 'auto' (mirrorsd's kernels need a C++ "
+                                       "compiler), or use mode ar")
         config = GenerateConfig()
         self.lib.mirrorsd_generate_config_init(ctypes.byref(config))
         config.mode, config.max_new_tokens, config.gamma = MODES[mode], max_new_tokens, gamma

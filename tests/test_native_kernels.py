@@ -11,7 +11,7 @@ import pytest
 
 from mirrorsd.devices.ort_kernel_check import ort_int8_kernel_difference
 from mirrorsd.devices.placement import DeviceRequest
-from mirrorsd.errors import DeviceError
+from mirrorsd.errors import DeviceError, GenerationInputError
 from mirrorsd.export.pipeline import ExportOptions, export
 from mirrorsd.manifest import load_manifest
 from mirrorsd.native import NativeModel
@@ -42,7 +42,7 @@ def test_c_with_kernels_equals_python_and_every_mode_equals_ar(native_build, int
         pytest.skip(NO_KERNELS.format(kernels.unavailable_reason()))
     with NativeModel(int4_grouped, native_build.library, kernels="mirrorsd") as native, \
             Pipeline.load(int4_grouped, DeviceRequest(kernels="mirrorsd")) as pipe:
-        assert native.kernels == {"target": "mirrorsd", "draft": "mirrorsd"}
+        assert native.kernels == {"target": "mirrorsd", "draft": "mirrorsd"} and native.inexact_windows() == ""
         assert pipe.placements["suffix"].kernels == "mirrorsd"
         for prompt in PROMPTS:
             ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW))
@@ -61,8 +61,9 @@ def test_c_with_kernels_equals_python_and_every_mode_equals_ar(native_build, int
 
 
 def test_ort_kernel_is_what_ort_gives(native_build, int4_grouped):
-    """kernels="ort" passes no library: C ar is the Python runtime's ar on ONNX Runtime's kernel; sd is exact too
-    where that kernel is row-invariant (devices/ort_kernel_check.py), and is not promised elsewhere."""
+    """kernels="ort" passes no library: C ar is the Python runtime's ar on ONNX Runtime's kernel; sd is exact where
+    that kernel is row-invariant (devices/ort_kernel_check.py) and refused elsewhere, as the Python runtime does
+    (on the AVX2-only EPYC here C sd and C mirror left C ar's tokens on every prompt and gamma tried)."""
     with NativeModel(int4_grouped, native_build.library, kernels="ort") as native, \
             Pipeline.load(int4_grouped, DeviceRequest(kernels="ort")) as pipe:
         assert native.kernels == {"target": "ort", "draft": "ort"}
@@ -70,7 +71,13 @@ def test_ort_kernel_is_what_ort_gives(native_build, int4_grouped):
         c_ar = native.generate(PROMPTS[0], mode="ar", max_new_tokens=NEW).tokens
         assert c_ar == ar
         if ort_int8_kernel_difference() == 0.0:
+            assert native.inexact_windows() == ""
             assert native.generate(PROMPTS[0], mode="sd", max_new_tokens=NEW).tokens == c_ar
+            return
+        assert "one-row path differs" in native.inexact_windows()
+        for mode in ("sd", "mirror"):
+            with pytest.raises(GenerationInputError, match="would not reproduce"):
+                native.generate(PROMPTS[0], mode=mode, max_new_tokens=NEW)
 
 
 @pytest.mark.parametrize("name,words", [("nowhere/libmirrorsd_kern.so", "is not a file"),
