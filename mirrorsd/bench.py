@@ -233,7 +233,8 @@ class _NativeRun:
 
 
 def _native_model(options: BenchOptions, modes: list[str]):
-    """libmirrorsd on the bench's export folder with our sessions' threads, or nothing when no c-* mode is asked."""
+    """libmirrorsd on the bench's export folder with our sessions' threads and MatMulNBits kernels (--kernels), or
+    nothing when no c-* mode is asked."""
     import contextlib
 
     if not modes:
@@ -243,7 +244,7 @@ def _native_model(options: BenchOptions, modes: list[str]):
     threads = own_threads(options)
     return NativeModel(options.model, options.native_library or build_library(),
                        target_threads=options.target_threads or threads,
-                       draft_threads=options.draft_threads or threads)
+                       draft_threads=options.draft_threads or threads, kernels=options.kernels)
 
 
 def _peer_passes(options: BenchOptions, modes: list[str], questions: list[Question], prompt_ids: dict, manifest,

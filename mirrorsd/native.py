@@ -6,7 +6,10 @@
         print(out.tokens, out.stats["tokens_per_second"])
 
 ``mirrorsd bench`` runs the library as the modes c-ar, c-sd, c-mirror (and c-mirror-noexit), beside the Python
-runtime's modes in one run; the tests check its tokens against the Python runtime's. The structs below mirror
+runtime's modes in one run; the tests check its tokens against the Python runtime's. ``kernels`` chooses the
+MatMulNBits kernel as the Python runtime's ``--kernels`` does (auto: mirrorsd's runtime/kernels library when this
+machine builds and runs it, handed to libmirrorsd as ``kernels_library``; ort: ONNX Runtime's own), so C and Python
+compute the same bits. The structs below mirror
 ``runtime/native/include/mirrorsd.h``; a mismatch is caught by the library's ``struct_size`` checks.
 """
 from __future__ import annotations
@@ -39,7 +42,8 @@ ERRORS = {1: GenerationInputError, 2: ManifestError, 3: GraphFileError, 4: Devic
 class OpenOptions(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("target_device", ctypes.c_char_p),
                 ("draft_device", ctypes.c_char_p), ("target_threads", ctypes.c_int32),
-                ("draft_threads", ctypes.c_int32), ("openvino_ep_library", ctypes.c_char_p)]
+                ("draft_threads", ctypes.c_int32), ("openvino_ep_library", ctypes.c_char_p),
+                ("kernels_library", ctypes.c_char_p)]
 
 
 class GenerateConfig(ctypes.Structure):
@@ -66,7 +70,8 @@ class ModelInfo(ctypes.Structure):
                [(n, ctypes.c_int64) for n in ("vocab_size", "context_limit", "target_layers", "exit_layer",
                                               "draft_layers", "top_k")] + \
                [("eos_token_ids", ctypes.c_int64 * 8), ("target_provider", ctypes.c_char * 64),
-                ("draft_provider", ctypes.c_char * 64)]
+                ("draft_provider", ctypes.c_char * 64), ("target_kernels", ctypes.c_char * 16),
+                ("draft_kernels", ctypes.c_char * 16)]
 
 
 TOKEN_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p)
@@ -154,6 +159,18 @@ def raise_for(lib: ctypes.CDLL, status: int) -> None:
         raise error
 
 
+def kernels_library(kernels: str) -> str | None:
+    """The kernels library libmirrorsd should load for the choice ``kernels`` (auto | mirrorsd | ort), resolved as
+    the Python runtime resolves it (devices/kernel_choice.py): its path, or None for ONNX Runtime's own kernel."""
+    from mirrorsd.devices.kernel_choice import MIRRORSD, resolve_kernels
+
+    if resolve_kernels(kernels)[0] != MIRRORSD:
+        return None
+    from mirrorsd.runtime import kernels as kernel_library
+
+    return str(kernel_library.usable_library().path)
+
+
 @dataclass(frozen=True)
 class NativeResult:
     tokens: list[int]
@@ -165,14 +182,19 @@ class NativeModel:
 
     def __init__(self, folder: str | os.PathLike, library: Path | str, target_device: str = "auto",
                  draft_device: str = "auto", target_threads: int = 0, draft_threads: int = 0,
-                 openvino_ep_library: str | None = None) -> None:
+                 openvino_ep_library: str | None = None, kernels: str = "auto",
+                 kernels_path: str | os.PathLike | None = None) -> None:
+        """kernels: auto | mirrorsd | ort, as the Python runtime's --kernels; kernels_path: a libmirrorsd_kern.so of
+        your own instead (tests, another build)."""
         self.handle = None
+        library_path = os.fspath(kernels_path) if kernels_path is not None else kernels_library(kernels)
         self.lib = load_library(library)
         options = OpenOptions()
         self.lib.mirrorsd_open_options_init(ctypes.byref(options))
         options.target_device, options.draft_device = target_device.encode(), draft_device.encode()
         options.target_threads, options.draft_threads = target_threads, draft_threads
         options.openvino_ep_library = openvino_ep_library.encode() if openvino_ep_library else None
+        options.kernels_library = os.fsencode(library_path) if library_path else None
         handle = ctypes.c_void_p()
         raise_for(self.lib, self.lib.mirrorsd_open(os.fsencode(folder), ctypes.byref(options), ctypes.byref(handle)))
         self.handle = handle
@@ -181,6 +203,27 @@ class NativeModel:
         self.info = {name: getattr(info, name) for name, _ in ModelInfo._fields_[2:8]}
         self.info["eos_token_ids"] = list(info.eos_token_ids[:info.eos_count])
         self.placement = {"target": info.target_provider.decode(), "draft": info.draft_provider.decode()}
+        self.kernels = {"target": info.target_kernels.decode(), "draft": info.draft_kernels.decode()}
+        self.folder = Path(folder)
+
+    def inexact_windows(self) -> str:
+        """Why sd/mirror would not emit ar's tokens here, or "": Pipeline.inexact_windows' rule (a quantized
+        grouped-attention target on ONNX Runtime's own CPU kernel, on a CPU where that kernel is not row-invariant)."""
+        from mirrorsd.manifest import load_manifest
+
+        manifest = load_manifest(self.folder)
+        precision = manifest.export_options.get("target_precision")
+        if manifest.attention != "grouped" or precision not in ("int4", "int8") or self.kernels["target"] != "ort" \
+                or "CPU" not in self.placement["target"]:
+            return ""
+        from mirrorsd.devices.ort_kernel_check import ort_int8_kernel_difference
+
+        difference = ort_int8_kernel_difference()
+        if difference == 0.0:
+            return ""
+        return (f"the {precision} target runs ONNX Runtime's MatMulNBits kernel with int8 activations (no "
+                f"kernels_library), whose one-row path differs from its several-row path on this CPU (by "
+                f"{difference:.1e} per layer), so verification windows drift from one-row decoding")
 
     def generate(self, ids: list[int], mode: str = G.mode, max_new_tokens: int = G.max_new_tokens,
                  gamma: int = G.gamma, branches: int = G.branches, branch_batch: int = G.branch_batch,
@@ -190,6 +233,10 @@ class NativeModel:
         """Decode ``ids`` with the C++ decoders; the settings and their defaults are GenerationConfig's."""
         if self.handle is None:
             raise NativeLibraryError("The native model is closed", "close() was called", "open it again")
+        if mode != "ar" and (why := self.inexact_windows()):
+            raise GenerationInputError(f"mode {mode} would not reproduce target-only decoding here", why,
+                                       "open with kernels='mirrorsd' or 'auto' (mirrorsd's kernels need a C++ "
+                                       "compiler), or use mode ar")
         config = GenerateConfig()
         self.lib.mirrorsd_generate_config_init(ctypes.byref(config))
         config.mode, config.max_new_tokens, config.gamma = MODES[mode], max_new_tokens, gamma
@@ -208,8 +255,9 @@ class NativeModel:
         out = {"mode": mode, **{n: getattr(s, n) for n in STAT_COUNTS}, **{n: getattr(s, n) for n in STAT_TIMES}}
         out["fallback_rate"] = s.fallbacks / s.windows if s.windows else 0.0
         out["draft_forwards_per_window"] = s.draft_forwards / s.windows if s.windows else 0.0
-        out["placement"] = {"target": self.placement["target"], "draft": self.placement["draft"],
-                            "host": "libmirrorsd (C++)"}
+        tag = {model: " [mirrorsd kernels]" if self.kernels[model] == "mirrorsd" else "" for model in self.kernels}
+        out["placement"] = {"target": self.placement["target"] + tag["target"],
+                            "draft": self.placement["draft"] + tag["draft"], "host": "libmirrorsd (C++)"}
         out["finish_reason"] = FINISH_REASONS[s.finish_reason]
         return out
 

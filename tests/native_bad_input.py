@@ -19,7 +19,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for mirrorsd.native's structs
 
-from mirrorsd.native import TOKEN_CALLBACK, GenerateConfig, OpenOptions, Stats, load_library  # noqa: E402
+from mirrorsd.native import (TOKEN_CALLBACK, GenerateConfig, ModelInfo, OpenOptions, Stats,  # noqa: E402
+                             load_library)
 
 
 def external_graph(location: str, nested: bool) -> bytes:
@@ -108,6 +109,13 @@ def main() -> None:
     open_folder("open: negative threads", good, options(target_threads=-2))
     for device in ("bogus", "cuda", "dml", "openvino:CPU", "ort-openvino:NPU", "ort-openvino:CPU"):
         open_folder(f"open: device {device}", good, options(draft_device=device))
+
+    open_folder("open: kernels missing", good, options(kernels_library=str(work / "nowhere" / "kern.so")))
+    old = open_folder("open: ABI 1 struct_size", good, options(struct_size=OpenOptions.kernels_library.offset))
+    info = ModelInfo(struct_size=ModelInfo.target_kernels.offset, target_kernels=b"untouched")
+    record("info: ABI 1 struct_size", lib.mirrorsd_model_get_info(old, ctypes.byref(info)))
+    results.append(["ABI 1 info", info.struct_size, f"{info.target_provider.decode()} {info.target_kernels.decode()}"])
+    lib.mirrorsd_close(old)
 
     model = open_folder("open: good", good)
     tokens = []

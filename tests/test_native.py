@@ -75,6 +75,10 @@ EXPECTED = {  # case -> (status, words the message must hold); 1 argument, 2 man
     "open: device openvino:CPU": (4, "OpenVINO runtime itself"),
     "open: device ort-openvino:NPU": (4, "static draft"),
     "open: device ort-openvino:CPU": (4, "no OpenVINO execution provider"),
+    "open: kernels missing": (4, "The kernels library"),
+    "open: ABI 1 struct_size": (0, ""),  # ABI 2 grew the open options and the model info at their ends
+    "info: ABI 1 struct_size": (0, ""),
+    "ABI 1 info": (248, "CPUExecutionProvider untouched"),  # the fields ABI 1 has, nothing past them
     "open: good": (0, ""),
     "generate: NULL model": (1, "model is NULL"),
     "generate: NULL prompt": (1, "prompt is NULL"),

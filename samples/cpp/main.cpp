@@ -4,7 +4,7 @@
 //
 //   mirrorsd_cli EXPORT_FOLDER [--mode ar|sd|mirror|all] [--gamma 4] [--max-new-tokens 32] [--branches 4]
 //                [--branch-batch 2] [--runner-up-k 4] [--budget time|cap] [--no-exit-head] [--threads N]
-//                [--target-device D] [--draft-device D] --ids ID [ID ...]
+//                [--target-device D] [--draft-device D] [--kernels LIBMIRRORSD_KERN_SO] --ids ID [ID ...]
 //
 // Prints "<mode>: <ids>" and "<mode> stats: ..." per mode; with --mode all, whether sd and mirror equal ar.
 // Exit status: 0 on success, the mirrorsd_status code (1..7) on a library error, 64 on bad usage.
@@ -22,7 +22,7 @@
 namespace {
 
 struct Args {
-  std::string folder, mode = "all", budget = "time", target_device = "auto", draft_device = "auto";
+  std::string folder, mode = "all", budget = "time", target_device = "auto", draft_device = "auto", kernels;
   int gamma = 4, max_new_tokens = 32, branches = 4, branch_batch = 2, runner_up_k = 4, threads = 0;
   bool exit_head = true;
   std::vector<int64_t> ids;
@@ -32,8 +32,10 @@ struct Args {
   std::cerr << "error: " << problem << "\n"
             << "usage: mirrorsd_cli EXPORT_FOLDER [--mode ar|sd|mirror|all] [--gamma N] [--max-new-tokens N]\n"
                "         [--branches N] [--branch-batch N] [--runner-up-k N] [--budget time|cap] [--no-exit-head]\n"
-               "         [--threads N] [--target-device D] [--draft-device D] --ids ID [ID ...]\n"
-               "Prompt and output are token ids: there is no tokenizer here.\n";
+               "         [--threads N] [--target-device D] [--draft-device D] [--kernels LIBMIRRORSD_KERN_SO]\n"
+               "         --ids ID [ID ...]\n"
+               "Prompt and output are token ids: there is no tokenizer here. --kernels runs mirrorsd's MatMulNBits\n"
+               "kernels (python -m mirrorsd.runtime.kernels prints the path) instead of ONNX Runtime's.\n";
   std::exit(64);
 }
 
@@ -46,7 +48,7 @@ Args parse(int argc, char** argv) {
                                       {"--runner-up-k", &a.runner_up_k}, {"--threads", &a.threads}};
   std::map<std::string, std::string*> words{{"--mode", &a.mode}, {"--budget", &a.budget},
                                             {"--target-device", &a.target_device},
-                                            {"--draft-device", &a.draft_device}};
+                                            {"--draft-device", &a.draft_device}, {"--kernels", &a.kernels}};
   for (int i = 2; i < argc; ++i) {
     const std::string flag = argv[i];
     auto value = [&]() -> std::string {
@@ -88,6 +90,7 @@ int main(int argc, char** argv) {
   options.target_device = args.target_device.c_str();
   options.draft_device = args.draft_device.c_str();
   options.target_threads = options.draft_threads = args.threads;
+  options.kernels_library = args.kernels.empty() ? nullptr : args.kernels.c_str();  // NULL: ONNX Runtime's kernel
   mirrorsd_model* model = nullptr;
   mirrorsd_status status = mirrorsd_open(args.folder.c_str(), &options, &model);
   if (status != MIRRORSD_OK) return fail(status);
@@ -95,7 +98,8 @@ int main(int argc, char** argv) {
   info.struct_size = sizeof info;
   if ((status = mirrorsd_model_get_info(model, &info)) != MIRRORSD_OK) return fail(status);
   std::cout << "# " << args.folder << ": target " << info.target_provider << ", draft " << info.draft_provider
-            << ", vocab " << info.vocab_size << ", context " << info.context_limit << "\n";
+            << ", vocab " << info.vocab_size << ", context " << info.context_limit << ", MatMulNBits kernels "
+            << info.target_kernels << "/" << info.draft_kernels << "\n";
 
   const std::vector<std::pair<std::string, int32_t>> all{{"ar", MIRRORSD_MODE_AR}, {"sd", MIRRORSD_MODE_SD},
                                                          {"mirror", MIRRORSD_MODE_MIRROR}};

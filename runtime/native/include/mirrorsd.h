@@ -39,7 +39,9 @@ extern "C" {
 #define MIRRORSD_API __attribute__((visibility("default")))
 #endif
 
-#define MIRRORSD_ABI_VERSION 1
+/* ABI 2 appended kernels_library to mirrorsd_open_options and target_kernels/draft_kernels to mirrorsd_model_info;
+ * mirrorsd_open and mirrorsd_model_get_info still accept ABI 1's struct sizes. */
+#define MIRRORSD_ABI_VERSION 2
 #define MIRRORSD_MAX_EOS 8
 
 typedef enum mirrorsd_status {
@@ -74,7 +76,14 @@ typedef enum mirrorsd_finish_reason {
 typedef struct mirrorsd_model mirrorsd_model;
 
 /* Where the graphs run. Device strings: NULL or "auto", "cpu", "cuda", "ort-openvino:CPU", "ort-openvino:GPU".
- * auto: the target takes cuda when this ONNX Runtime build has it, else cpu; the draft takes cpu. */
+ * auto: the target takes cuda when this ONNX Runtime build has it, else cpu; the draft takes cpu.
+ * kernels_library: mirrorsd's MatMulNBits kernels (runtime/kernels, libmirrorsd_kern.so; Python:
+ * mirrorsd.runtime.kernels.usable_library().path). Every CPU session whose graph imports the com.microsoft domain
+ * registers it in replace mode, so every int4/int8 MatMulNBits node runs it: a row's bits then do not depend on the
+ * rows beside it, which sd and mirror need to emit exactly ar's tokens on a quantized grouped-attention target
+ * (ONNX Runtime's own kernel with int8 activations is not row-invariant on every CPU). NULL or "" = ONNX Runtime's
+ * own kernel. mirrorsd_open_options_init writes the whole struct: a caller built against ABI 1 that calls it must be
+ * rebuilt (one that fills the struct itself, with ABI 1's struct_size, keeps working). */
 typedef struct mirrorsd_open_options {
   uint32_t struct_size;            /* sizeof(mirrorsd_open_options): set by mirrorsd_open_options_init */
   const char* target_device;       /* prefix, exit head and suffix graphs */
@@ -83,6 +92,7 @@ typedef struct mirrorsd_open_options {
   int32_t draft_threads;           /* intra-op threads of the draft session; 0 = cores / 2 */
   const char* openvino_ep_library; /* ort-openvino without a built-in OpenVINO EP: path of the OpenVINO plugin EP
                                       library (onnxruntime-ep-openvino); NULL otherwise */
+  const char* kernels_library;     /* path of libmirrorsd_kern.so, or NULL / "" for ONNX Runtime's kernel (ABI 2) */
 } mirrorsd_open_options;
 
 typedef struct mirrorsd_generate_config {
@@ -144,6 +154,9 @@ typedef struct mirrorsd_model_info {
   int64_t eos_token_ids[MIRRORSD_MAX_EOS];
   char target_provider[64];       /* the execution provider the target's sessions run on */
   char draft_provider[64];
+  char target_kernels[16];        /* MatMulNBits kernel of the target's sessions: "mirrorsd" (kernels_library) when
+                                     any of them registered it, else "ort" (ABI 2) */
+  char draft_kernels[16];         /* the same for the draft's session (ABI 2) */
 } mirrorsd_model_info;
 
 MIRRORSD_API const char* mirrorsd_version(void);

@@ -1,7 +1,9 @@
 // The C ABI of mirrorsd.h: argument checks, error codes and per-thread error text around the C++ engine. No C++
 // exception ever crosses this boundary.
 #include <cmath>
+#include <cstddef>
 #include <cstring>
+#include <filesystem>
 #include <new>
 #include <string>
 #include <thread>
@@ -52,6 +54,26 @@ void check_size(uint32_t given, size_t expected, const char* type) {
                 std::to_string(expected),
             "the caller was built against another mirrorsd.h (or did not set struct_size)",
             std::string("initialize it with its _init function or set sizeof(") + type + ")");
+}
+
+// ABI 1's sizes of the structs ABI 2 grew at their end: a caller built against ABI 1 keeps working.
+constexpr size_t kOpenOptionsV1 = offsetof(mirrorsd_open_options, kernels_library);
+constexpr size_t kModelInfoV1 = offsetof(mirrorsd_model_info, target_kernels);
+
+void check_size(uint32_t given, size_t expected, size_t older, const char* type) {
+  if (given != older) check_size(given, expected, type);
+}
+
+std::string kernels_library(const char* path) {
+  if (path == nullptr || *path == '\0') return "";
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw Error(Code::Device, std::string("The kernels library '") + path + "' is not a file",
+                "kernels_library names mirrorsd's MatMulNBits kernels (libmirrorsd_kern.so), loaded into every "
+                "session that runs MatMulNBits",
+                "pass the path of libmirrorsd_kern.so (Python: mirrorsd.runtime.kernels.usable_library().path), or "
+                "NULL for ONNX Runtime's own kernel");
+  return path;
 }
 
 int threads_or_default(int32_t threads, const char* name) {
@@ -120,11 +142,27 @@ void copy_text(char* dst, size_t size, const std::string& src) {
   dst[size - 1] = '\0';
 }
 
+void fill_info(mirrorsd_model_info& info, const mirrorsd::Engine& engine) {
+  const mirrorsd::Manifest& m = engine.manifest();
+  info.eos_count = static_cast<int32_t>(std::min<size_t>(m.eos_token_ids.size(), MIRRORSD_MAX_EOS));
+  for (int32_t i = 0; i < info.eos_count; ++i) info.eos_token_ids[i] = m.eos_token_ids[i];
+  info.vocab_size = m.target.vocab_size;
+  info.context_limit = m.context_limit();
+  info.target_layers = m.target.num_layers;
+  info.exit_layer = m.exit_layer;
+  info.draft_layers = m.draft.num_layers;
+  info.top_k = m.top_k;
+  copy_text(info.target_provider, sizeof info.target_provider, engine.target_provider());
+  copy_text(info.draft_provider, sizeof info.draft_provider, engine.draft_provider());
+  copy_text(info.target_kernels, sizeof info.target_kernels, engine.target_kernels());
+  copy_text(info.draft_kernels, sizeof info.draft_kernels, engine.draft_kernels());
+}
+
 }  // namespace
 
 extern "C" {
 
-const char* mirrorsd_version(void) { return "mirrorsd 0.1.0 (C ABI 1)"; }
+const char* mirrorsd_version(void) { return "mirrorsd 0.1.0 (C ABI 2)"; }
 
 const char* mirrorsd_last_error(void) { return last_error.c_str(); }
 
@@ -155,15 +193,18 @@ mirrorsd_status mirrorsd_open(const char* folder, const mirrorsd_open_options* o
     *model = nullptr;
     if (folder == nullptr || *folder == '\0')
       invalid("folder is NULL or empty", "it names the export folder", "pass the --output folder of mirrorsd-export");
-    mirrorsd_open_options defaults;
-    mirrorsd_open_options_init(&defaults);
-    const mirrorsd_open_options& o = options ? *options : defaults;
-    check_size(o.struct_size, sizeof(mirrorsd_open_options), "mirrorsd_open_options");
+    mirrorsd_open_options o;
+    mirrorsd_open_options_init(&o);
+    if (options != nullptr) {  // the fields the caller's struct has; ABI 2's over ABI 1's stay at their defaults
+      check_size(options->struct_size, sizeof(mirrorsd_open_options), kOpenOptionsV1, "mirrorsd_open_options");
+      std::memcpy(&o, options, options->struct_size);
+    }
     const std::string library = o.openvino_ep_library ? o.openvino_ep_library : "";
+    const std::string kernels = kernels_library(o.kernels_library);
     const mirrorsd::DeviceRequest target{o.target_device ? o.target_device : "auto",
-                                         threads_or_default(o.target_threads, "target_threads"), library};
+                                         threads_or_default(o.target_threads, "target_threads"), library, kernels};
     const mirrorsd::DeviceRequest draft{o.draft_device ? o.draft_device : "auto",
-                                        threads_or_default(o.draft_threads, "draft_threads"), library};
+                                        threads_or_default(o.draft_threads, "draft_threads"), library, kernels};
     *model = new mirrorsd_model(std::make_unique<mirrorsd::Engine>(folder, target, draft));
   });
 }
@@ -171,20 +212,12 @@ mirrorsd_status mirrorsd_open(const char* folder, const mirrorsd_open_options* o
 mirrorsd_status mirrorsd_model_get_info(const mirrorsd_model* model, mirrorsd_model_info* info) {
   return guarded([&] {
     if (model == nullptr || info == nullptr) invalid("model or info is NULL", "both are needed", "pass them");
-    check_size(info->struct_size, sizeof(mirrorsd_model_info), "mirrorsd_model_info");
-    const mirrorsd::Manifest& m = model->engine->manifest();
-    *info = mirrorsd_model_info{};
-    info->struct_size = sizeof(mirrorsd_model_info);
-    info->eos_count = static_cast<int32_t>(std::min<size_t>(m.eos_token_ids.size(), MIRRORSD_MAX_EOS));
-    for (int32_t i = 0; i < info->eos_count; ++i) info->eos_token_ids[i] = m.eos_token_ids[i];
-    info->vocab_size = m.target.vocab_size;
-    info->context_limit = m.context_limit();
-    info->target_layers = m.target.num_layers;
-    info->exit_layer = m.exit_layer;
-    info->draft_layers = m.draft.num_layers;
-    info->top_k = m.top_k;
-    copy_text(info->target_provider, sizeof info->target_provider, model->engine->target_provider());
-    copy_text(info->draft_provider, sizeof info->draft_provider, model->engine->draft_provider());
+    const uint32_t size = info->struct_size;
+    check_size(size, sizeof(mirrorsd_model_info), kModelInfoV1, "mirrorsd_model_info");
+    mirrorsd_model_info full{};
+    fill_info(full, *model->engine);
+    full.struct_size = size;
+    std::memcpy(info, &full, size);  // an ABI 1 caller gets the fields its struct has
   });
 }
 

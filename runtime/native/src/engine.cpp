@@ -9,8 +9,8 @@ namespace mirrorsd {
 Engine::Engine(const std::string& folder, const DeviceRequest& target, const DeviceRequest& draft)
     : env_(environment()), manifest_(load_manifest(folder)) {
   const DeviceRequest placed[] = {
-      {resolve_device(target.device, "target"), target.threads, target.openvino_ep_library},
-      {resolve_device(draft.device, "draft"), draft.threads, draft.openvino_ep_library}};
+      {resolve_device(target.device, "target"), target.threads, target.openvino_ep_library, target.kernels_library},
+      {resolve_device(draft.device, "draft"), draft.threads, draft.openvino_ep_library, draft.kernels_library}};
   for (const char* role : {"prefix", "exit_head", "suffix", "draft"}) {
     const GraphSpec& spec = manifest_.graph(role);
     check_graph_file(spec);  // before ONNX Runtime follows any path the file names
@@ -18,6 +18,7 @@ Engine::Engine(const std::string& folder, const DeviceRequest& target, const Dev
     sessions_.push_back(std::make_unique<GraphSession>(env_, spec, placed[is_target ? 0 : 1],
                                                        is_target ? target_timeline_ : draft_timeline_));
     (is_target ? target_provider_ : draft_provider_) = sessions_.back()->provider();
+    if (sessions_.back()->mirrorsd_kernels()) (is_target ? target_kernels_ : draft_kernels_) = "mirrorsd";
   }
   target_ = std::make_unique<TargetModel>(*sessions_[0], *sessions_[1], *sessions_[2], manifest_.target.vocab_size);
   draft_ = std::make_unique<DraftModel>(*sessions_[3], manifest_.draft.vocab_size);

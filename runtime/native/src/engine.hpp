@@ -38,6 +38,9 @@ class Engine {
   const Manifest& manifest() const { return manifest_; }
   const std::string& target_provider() const { return target_provider_; }
   const std::string& draft_provider() const { return draft_provider_; }
+  // "mirrorsd" when any of the model's sessions runs the kernels library's MatMulNBits, else "ort"
+  const std::string& target_kernels() const { return target_kernels_; }
+  const std::string& draft_kernels() const { return draft_kernels_; }
 
   // Checks the prompt against the vocabulary and the context, then decodes; one generation at a time.
   Generation generate(const std::vector<int64_t>& prompt, const GenerationConfig& config, const Emit& emit);
@@ -55,6 +58,7 @@ class Engine {
   std::unique_ptr<MirrorProposer> mirror_;
   MirrorSettings mirror_settings_;
   std::string target_provider_, draft_provider_;
+  std::string target_kernels_ = "ort", draft_kernels_ = "ort";
   std::mutex lock_;
 };
 

@@ -147,6 +147,21 @@ std::vector<std::pair<std::string, std::string>> external_locations(const fs::pa
 
 }  // namespace
 
+bool imports_domain(const fs::path& path, const std::string& domain) {
+  try {
+    Reader r(path);
+    for (const Field& f : r.fields(0, r.size())) {
+      if (f.wire != 2 || f.number != 8) continue;  // ModelProto.opset_import: OperatorSetIdProto { domain 1 }
+      for (const Field& e : r.fields(f.lo, f.hi))
+        if (e.wire == 2 && e.number == 1 && r.text(e) == domain) return true;
+    }
+  } catch (const Malformed& m) {
+    throw Error(Code::GraphFile, "Graph file '" + path.filename().string() + "' is not a valid ONNX file",
+                m.why + " (truncated or damaged)", "re-export the folder");
+  }
+  return false;
+}
+
 void check_graph_file(const GraphSpec& spec) {
   std::error_code ec;
   if (!fs::is_regular_file(spec.path, ec))

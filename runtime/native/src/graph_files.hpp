@@ -8,4 +8,8 @@ namespace mirrorsd {
 // outside its folder (the check of runtime/graph_files.py, done before ONNX Runtime opens the file).
 void check_graph_file(const GraphSpec& spec);
 
+// Whether the ONNX file imports the operator domain `domain` (ModelProto.opset_import); reads the top-level fields
+// only (runtime/kernels/rewrite.py's imports_ort_domain). Throws Error(GraphFile) for a file that is not ONNX.
+bool imports_domain(const std::filesystem::path& path, const std::string& domain);
+
 }  // namespace mirrorsd

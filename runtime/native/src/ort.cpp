@@ -5,6 +5,7 @@
 #include <set>
 
 #include "devices.hpp"
+#include "graph_files.hpp"
 
 namespace mirrorsd {
 
@@ -97,6 +98,29 @@ double Timeline::busy() const {
   return total;
 }
 
+// mirrorsd's MatMulNBits kernels (runtime/kernels) in replace mode, as devices/backends.py's OrtSession registers
+// them: the config entry first (the library reads it when it registers), then the library. Only for graphs that import
+// com.microsoft: registering the replacement claims that domain, and a graph that does not import it would then fail
+// to load the contrib ops ONNX Runtime's optimizer fuses in.
+namespace {
+
+const char* const kReplaceKey = "mirrorsd_kern.replace_com_microsoft";  // kernels.REPLACE_KEY in Python
+const char* const kOrtDomain = "com.microsoft";
+
+bool register_kernels(OrtSessionOptions* options, const GraphSpec& spec, const std::string& library) {
+  if (library.empty() || !imports_domain(spec.path, kOrtDomain)) return false;
+  const std::string fix = "pass the path of libmirrorsd_kern.so (Python: mirrorsd.runtime.kernels."
+                          "usable_library().path), or none for ONNX Runtime's own kernel";
+  check(ort().AddSessionConfigEntry(options, kReplaceKey, "1"), Code::Internal, "Bad option", "");
+  check(ort().RegisterCustomOpsLibrary_V2(options, library.c_str()), Code::Device,
+        "The kernels library '" + library + "' could not be registered for graph '" +
+            spec.path.filename().string() + "'",
+        fix);
+  return true;
+}
+
+}  // namespace
+
 class Environment {
  public:
   Environment() {
@@ -140,6 +164,8 @@ GraphSession::GraphSession(std::shared_ptr<Environment> env, const GraphSpec& sp
   // Two sessions share the cores in Mirror-SD: spinning threads would steal the other session's core.
   check(api.AddSessionConfigEntry(options, "session.intra_op.allow_spinning", "0"), Code::Internal, "Bad option", "");
   provider_ = append_provider(options, *env_, request);
+  if (provider_ == "CPUExecutionProvider")  // as Python: mirrorsd's kernels run on ONNX Runtime's CPU provider only
+    mirrorsd_kernels_ = register_kernels(options, spec_, request.kernels_library);
   check(api.CreateSession(env_handle(*env_), spec_.path.c_str(), options, &session_), Code::GraphFile,
         "ONNX Runtime could not load '" + spec_.path.filename().string() + "'",
         "the file may be truncated or damaged: re-export the folder");

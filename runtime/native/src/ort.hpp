@@ -50,6 +50,7 @@ struct DeviceRequest {
   std::string device = "auto";
   int threads = 1;
   std::string openvino_ep_library;
+  std::string kernels_library;  // libmirrorsd_kern.so for every CPU session whose graph imports com.microsoft; "" = none
 };
 
 class GraphSession {
@@ -66,6 +67,7 @@ class GraphSession {
 
   const GraphSpec& spec() const { return spec_; }
   const std::string& provider() const { return provider_; }  // the execution provider it was opened on
+  bool mirrorsd_kernels() const { return mirrorsd_kernels_; }  // its MatMulNBits nodes run kernels_library
 
  private:
   std::shared_ptr<Environment> env_;
@@ -73,6 +75,7 @@ class GraphSession {
   Timeline& timeline_;
   OrtSession* session_ = nullptr;
   std::string provider_;
+  bool mirrorsd_kernels_ = false;
   std::vector<const char*> input_names_, output_names_;  // point into spec_
 };
 

@@ -19,6 +19,7 @@ namespace MirrorSD
         public int TargetThreads;                                      // 0 = cores / 2
         public int DraftThreads;
         [MarshalAs(UnmanagedType.LPStr)] public string OpenVinoEpLibrary;
+        [MarshalAs(UnmanagedType.LPStr)] public string KernelsLibrary;  // libmirrorsd_kern.so; null = ONNX Runtime's
     }
 
     [StructLayout(LayoutKind.Sequential)]
@@ -59,6 +60,8 @@ namespace MirrorSD
         [MarshalAs(UnmanagedType.ByValArray, SizeConst = 8)] public long[] EosTokenIds;
         [MarshalAs(UnmanagedType.ByValTStr, SizeConst = 64)] public string TargetProvider;
         [MarshalAs(UnmanagedType.ByValTStr, SizeConst = 64)] public string DraftProvider;
+        [MarshalAs(UnmanagedType.ByValTStr, SizeConst = 16)] public string TargetKernels;  // "mirrorsd" or "ort"
+        [MarshalAs(UnmanagedType.ByValTStr, SizeConst = 16)] public string DraftKernels;
     }
 
     [UnmanagedFunctionPointer(CallingConvention.Cdecl)]
@@ -114,7 +117,8 @@ namespace MirrorSD
 
         public ModelInfo Info { get; private set; }
 
-        public Model(string folder, string targetDevice = null, string draftDevice = null, int threads = 0)
+        public Model(string folder, string targetDevice = null, string draftDevice = null, int threads = 0,
+                     string kernelsLibrary = null)
         {
             var options = new OpenOptions();
             Native.mirrorsd_open_options_init(ref options);
@@ -122,6 +126,7 @@ namespace MirrorSD
             options.DraftDevice = draftDevice;
             options.TargetThreads = threads;
             options.DraftThreads = threads;
+            options.KernelsLibrary = kernelsLibrary;
             Check(Native.mirrorsd_open(folder, ref options, out handle));
             var info = new ModelInfo { StructSize = (uint)Marshal.SizeOf(typeof(ModelInfo)) };
             Check(Native.mirrorsd_model_get_info(handle, ref info));

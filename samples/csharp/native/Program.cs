@@ -2,7 +2,8 @@
 // Token ids in, token ids out (no tokenizer here). Compiles with Mono's mcs (C# 7) and with a .NET SDK:
 //
 //   mcs -out:mirrorsd-sample.exe Program.cs MirrorSD.cs && LD_LIBRARY_PATH=<folder of libmirrorsd.so> \
-//       mono mirrorsd-sample.exe EXPORT_FOLDER [--mode ar|sd|mirror|all] [--max-new-tokens 32] [--gamma 4] --ids 1 17 42
+//       mono mirrorsd-sample.exe EXPORT_FOLDER [--mode ar|sd|mirror|all] [--max-new-tokens 32] [--gamma 4] \
+//       [--kernels LIBMIRRORSD_KERN_SO] --ids 1 17 42
 //   dotnet run -- EXPORT_FOLDER --ids 1 17 42          (same; libmirrorsd.so on LD_LIBRARY_PATH)
 using System;
 using System.Collections.Generic;
@@ -16,14 +17,14 @@ namespace MirrorSD
         {
             Console.Error.WriteLine("error: " + problem);
             Console.Error.WriteLine("usage: mirrorsd-sample EXPORT_FOLDER [--mode ar|sd|mirror|all] [--max-new-tokens N] " +
-                                    "[--gamma N] [--threads N] --ids ID [ID ...]");
+                                    "[--gamma N] [--threads N] [--kernels LIBMIRRORSD_KERN_SO] --ids ID [ID ...]");
             return 64;
         }
 
         public static int Main(string[] args)
         {
             if (args.Length < 1 || args[0].StartsWith("-")) return Usage("no export folder");
-            string folder = args[0], only = "all";
+            string folder = args[0], only = "all", kernels = null;
             int maxNewTokens = 32, gamma = 4, threads = 0;
             var ids = new List<long>();
             for (int i = 1; i < args.Length; i++)
@@ -40,11 +41,12 @@ namespace MirrorSD
                 else if (flag == "--max-new-tokens") maxNewTokens = int.Parse(value);
                 else if (flag == "--gamma") gamma = int.Parse(value);
                 else if (flag == "--threads") threads = int.Parse(value);
+                else if (flag == "--kernels") kernels = value;
                 else return Usage("unknown option " + flag);
             }
             try
             {
-                return Run(folder, only, maxNewTokens, gamma, threads, ids.ToArray());
+                return Run(folder, only, maxNewTokens, gamma, threads, kernels, ids.ToArray());
             }
             catch (MirrorSDException e)
             {
@@ -53,13 +55,15 @@ namespace MirrorSD
             }
         }
 
-        static int Run(string folder, string only, int maxNewTokens, int gamma, int threads, long[] ids)
+        static int Run(string folder, string only, int maxNewTokens, int gamma, int threads, string kernels,
+                       long[] ids)
         {
             var outputs = new Dictionary<string, List<long>>();
-            using (var model = new Model(folder, null, null, threads))
+            using (var model = new Model(folder, null, null, threads, kernels))
             {
                 Console.WriteLine("# " + folder + ": target " + model.Info.TargetProvider + ", draft " +
-                                  model.Info.DraftProvider + ", vocab " + model.Info.VocabSize);
+                                  model.Info.DraftProvider + ", vocab " + model.Info.VocabSize +
+                                  ", MatMulNBits kernels " + model.Info.TargetKernels + "/" + model.Info.DraftKernels);
                 foreach (Mode mode in new[] { Mode.Ar, Mode.Sd, Mode.Mirror })
                 {
                     string name = mode.ToString().ToLowerInvariant();
