@@ -56,6 +56,18 @@ class _Verdict:
     gamma: int
 
 
+@dataclass(frozen=True)
+class _ExitHandoff:
+    """The exit callback the target runs: posts the early exit to the worker. ``draft_top`` (the current window's
+    draft top-k, [g, k]) is what a sparse exit head scores (models.TargetModel)."""
+
+    inbox: queue.Queue
+    draft_top: np.ndarray | None
+
+    def __call__(self, ids: np.ndarray, logprobs: np.ndarray) -> None:
+        self.inbox.put(_Exit(ids, logprobs))
+
+
 class _Stop:
     """Generation over (or failed): the worker drops what it was doing and exits."""
 
@@ -215,6 +227,7 @@ class MirrorProposer:
         self._active = False
         self.last_counters = WorkerCounters()
         self._stuck: DraftWorker | None = None  # a stopped worker still inside a draft call (see finish)
+        self._draft_top: np.ndarray | None = None  # the last window's draft top-k (a sparse exit head's candidates)
 
     @property
     def counters(self) -> WorkerCounters:
@@ -249,13 +262,13 @@ class MirrorProposer:
             self._active = False
             raise DraftWorkerError("The draft worker returned a malformed window", f"got {reply!r:.200}",
                                    "this is a bug in the draft graph or worker; please report it")
+        self._draft_top = reply.top_ids
         return reply
 
     def exit_callback(self):
         if not self._active or not self.settings.exit_head:
             return None
-        inbox = self.worker.inbox
-        return lambda ids, logprobs: inbox.put(_Exit(ids, logprobs))
+        return _ExitHandoff(self.worker.inbox, self._draft_top)
 
     def observe(self, verdict: Verdict, new_tokens: list[int], next_gamma: int) -> None:
         if self._active:

@@ -180,9 +180,11 @@ def rank_branches(window: np.ndarray, draft_ids: np.ndarray, draft_logprobs: np.
     ranked = []
     for d in range(g + 1):
         probs: dict[int, float] = {}
-        for ids, logprobs in sources:
-            for tok, p in zip(ids[d].tolist(), np.exp(logprobs[d]).tolist()):
-                probs[tok] = probs.get(tok, 0.0) + p / len(sources)
+        listed = [(ids[d], logprobs[d]) for ids, logprobs in sources if (ids[d] >= 0).any()]
+        for ids, logprobs in listed:
+            for tok, p in zip(ids.tolist(), np.exp(logprobs).tolist()):
+                if tok >= 0:
+                    probs[tok] = probs.get(tok, 0.0) + p / len(listed)
         if d < g:
             drafted = int(window[d])
             miss = max(1.0 - probs.get(drafted, 0.0), 1e-6)
@@ -195,3 +197,28 @@ def rank_branches(window: np.ndarray, draft_ids: np.ndarray, draft_logprobs: np.
                 ranked.append(Branch(d + 1, tok, weight * p))
     ranked.sort(key=lambda b: (-b.score, b.depth, b.token))
     return ranked[:limit] if limit is not None else ranked
+
+
+def exit_candidates(draft_top: np.ndarray, rows: int) -> np.ndarray:
+    """The tokens a sparse exit head scores: draft_top [g', k] (the draft's top-k at each window position) ->
+    candidates [rows, k] for the verification rows [last] + window: row d < rows - 1 takes the draft's top-k at window
+    position d + 1; the last row (the position after the window, which the draft has not reached yet) gets -1 (none)."""
+    out = np.full((rows, draft_top.shape[1]), -1, np.int64)
+    take = min(rows - 1, len(draft_top))
+    out[:take] = draft_top[:take]
+    return out
+
+
+def candidate_logprobs(candidates: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """candidates [S, m] (-1: none), logits [S, m] at them -> (ids [S, m], log-probs [S, m]) best first, log-probs
+    normalised over each row's candidates (a sparse head does not see the rest of the vocabulary); -1 / -inf where
+    a row has fewer candidates."""
+    valid = candidates >= 0
+    masked = np.where(valid, logits.astype(np.float64), -np.inf)
+    peak = np.max(np.where(valid, masked, np.finfo(np.float64).min), axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        norm = peak + np.log(np.sum(np.where(valid, np.exp(masked - peak), 0.0), axis=-1, keepdims=True))
+        logprobs = np.where(valid, masked - norm, -np.inf)
+    order = np.argsort(-logprobs, axis=-1, kind="stable")
+    ids = np.where(np.take_along_axis(valid, order, -1), np.take_along_axis(candidates, order, -1), -1)
+    return ids.astype(np.int64), np.take_along_axis(logprobs, order, -1).astype(np.float32)
