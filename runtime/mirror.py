@@ -4,7 +4,8 @@
     ---------------------------                     ---------------------------
     propose(): wait for a window        <-- Window --  fresh rollout, or a ready branch
     prefix([last] + window)                          extend: one forward on the window's last token
-    exit head -> top-k per position     -- Exit ---> re-rank candidate branches (draft runner-ups first)
+    exit head -> top-k per position     -- Exit ---> rank candidate branches (draft runner-ups + the exit;
+                                                     with the exit head on, the first batch waits for it)
     suffix -> target tokens -> verdict               roll out branches (d, v) in batches, best first,
     observe(verdict)                    -- Verdict->   until the verdict arrives or the cap is reached
                                                      branch (A+1, c) ready? adopt its KV + tokens (reuse)
@@ -163,6 +164,8 @@ class DraftWorker(threading.Thread):
             if candidates is None:
                 candidates = self._extend_last(window)
                 message = self._poll()
+                if message is None and exit_msg is None and self.settings.exit_head:
+                    message = self.inbox.get()  # the early exit is on its way: the first branches are ranked with it
                 continue
             batch = []
             if len(spent) < self.settings.branches:
