@@ -167,24 +167,23 @@ def rank_branches(window: np.ndarray, draft_ids: np.ndarray, draft_logprobs: np.
     """Candidate branches ranked by the estimated probability that the verdict is exactly (d, v), best first.
 
     window [g]; draft_ids/draft_logprobs [g + 1, k_d]: the draft's top tokens at each window position (row g is
-    the position after the window); exit_ids/exit_logprobs [g + 1, k_e]: the early exit's top tokens, if known.
+    the position after the window); exit_ids/exit_logprobs [g + 1, k_e]: the early exit's top tokens, if known
+    (id -1: none; a source that lists no token at d is left out there).
     accept_rate a: the measured chance that the target accepts a drafted token (the draft's own softmax is not
     calibrated for that, so acceptance is modelled as geometric: P(A >= d) = a^d).
-    q_d(v) = mean of the sources' probabilities of v at d (a source that does not list v gives 0);
+    q_d(v) = the sources' estimate of v at d:
+        the exit lists only tokens the draft lists (a sparse exit head scored the draft's candidates): the draft's
+            probabilities re-weighted by the exit's (product of experts), scaled back to the draft's total there;
+        otherwise: the mean of the sources' probabilities (a source that does not list v gives 0);
         d <= g:  score(d, v) = a^(d-1) * (1 - a) * q_d(v) / (1 - q_d(window_d)),   v != window_d
         d = g+1: score(d, v) = a^g * q_d(v)                                         (the bonus token)
     """
     g = len(window)
     a = float(min(max(accept_rate, 0.0), 1.0))
-    sources = [(draft_ids, draft_logprobs)] + ([(exit_ids, exit_logprobs)] if exit_ids is not None else [])
     ranked = []
     for d in range(g + 1):
-        probs: dict[int, float] = {}
-        listed = [(ids[d], logprobs[d]) for ids, logprobs in sources if (ids[d] >= 0).any()]
-        for ids, logprobs in listed:
-            for tok, p in zip(ids.tolist(), np.exp(logprobs).tolist()):
-                if tok >= 0:
-                    probs[tok] = probs.get(tok, 0.0) + p / len(listed)
+        probs = _position_probs(draft_ids[d], draft_logprobs[d],
+                                None if exit_ids is None else exit_ids[d], None if exit_ids is None else exit_logprobs[d])
         if d < g:
             drafted = int(window[d])
             miss = max(1.0 - probs.get(drafted, 0.0), 1e-6)
@@ -197,6 +196,25 @@ def rank_branches(window: np.ndarray, draft_ids: np.ndarray, draft_logprobs: np.
                 ranked.append(Branch(d + 1, tok, weight * p))
     ranked.sort(key=lambda b: (-b.score, b.depth, b.token))
     return ranked[:limit] if limit is not None else ranked
+
+
+def _position_probs(draft_ids, draft_lps, exit_ids, exit_lps) -> dict[int, float]:
+    """q_d over the tokens listed at one position (see rank_branches)."""
+    listed = [(ids, lps) for ids, lps in ((draft_ids, draft_lps), (exit_ids, exit_lps))
+              if ids is not None and (ids >= 0).any()]
+    rows = [{t: p for t, p in zip(ids.tolist(), np.exp(lps).tolist()) if t >= 0} for ids, lps in listed]
+    if len(rows) == 2 and rows[1].keys() <= rows[0].keys():  # a sparse exit: re-weight the draft's candidates
+        draft, exit_p = rows
+        joint = {t: p * exit_p.get(t, 0.0) for t, p in draft.items()}
+        total = sum(joint.values())
+        if total > 0:
+            scale = sum(draft.values()) / total
+            return {t: p * scale for t, p in joint.items()}
+    probs: dict[int, float] = {}
+    for row in rows:
+        for tok, p in row.items():
+            probs[tok] = probs.get(tok, 0.0) + p / len(rows)
+    return probs
 
 
 def exit_candidates(draft_top: np.ndarray, rows: int) -> np.ndarray:

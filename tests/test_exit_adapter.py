@@ -222,3 +222,22 @@ def test_the_trained_full_exit_head_keeps_mirror_equal_to_ar(trained, tmp_path):
             out = pipe.generate(prompt, GenerationConfig(mode="mirror", max_new_tokens=32, gamma=3,
                                                          branch_budget="cap"))
             assert out.tokens == ar.tokens
+
+
+def test_a_sparse_exit_reweights_the_drafts_candidates():
+    """Product of experts: a flat exit changes nothing, a peaked one moves the draft's mass at a depth to its choice
+    (the depth weights stay the acceptance model's)."""
+    window = np.array([6, 7])
+    draft_ids = np.array([[6, 5, 4], [7, 9, 8], [3, 4, 2]])
+    draft_lps = np.log(np.array([[0.6, 0.2, 0.1], [0.5, 0.3, 0.1], [0.7, 0.2, 0.05]]))
+    alone = rank_branches(window, draft_ids, draft_lps)
+    flat_ids, flat_lps = candidate_logprobs(exit_candidates(draft_ids[:2], 3), np.zeros((3, 3), np.float32))
+    flat = rank_branches(window, draft_ids, draft_lps, flat_ids, flat_lps)
+    assert [(b.depth, b.token) for b in flat] == [(b.depth, b.token) for b in alone]
+    np.testing.assert_allclose([b.score for b in flat], [b.score for b in alone])
+    peaked_ids, peaked_lps = candidate_logprobs(exit_candidates(draft_ids[:2], 3),
+                                                np.array([[0.0, 0.0, 5.0], [0, 0, 0], [0, 0, 0]], np.float32))
+    peaked = rank_branches(window, draft_ids, draft_lps, peaked_ids, peaked_lps)
+    order = lambda ranked: [(b.depth, b.token) for b in ranked if b.depth == 1]  # noqa: E731
+    assert order(alone) == [(1, 5), (1, 4)]
+    assert order(peaked) == [(1, 4), (1, 5)]  # the exit says: if 6 is rejected at depth 1, the target says 4

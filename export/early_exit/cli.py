@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(dat, T, "max_prompt_tokens", help="skip longer prompts")
     flags.add(dat, T, "max_new_tokens", help="length of the target's answers (one training row per token)")
     flags.add(dat, T, "generation_batch", help="prompts per batched target generation")
+    flags.add(dat, T, "prompt_rows", help="also train on the target's tokens at the last N prompt positions")
     fit = parser.add_argument_group("adapter")
     flags.add(fit, T, "rank", help="rank r of the adapter (down [H, r], up [r, H])")
     flags.add(fit, T, "epochs")

@@ -18,6 +18,7 @@ class ExitTrainOptions:
     max_prompt_tokens: int = 384
     max_new_tokens: int = 64  # length of the target's answers (each answer position is one training row)
     generation_batch: int = 8
+    prompt_rows: int = 64  # training rows from the last N prompt positions too (free: the same target pass)
     rank: int = 64
     epochs: int = 6
     batch: int = 256

@@ -70,11 +70,14 @@ def train(options: ExitTrainOptions, log=print) -> ExitTrainResult:
     try:
         sets = {}
         for name, qs in (("train", train_q), ("eval", held_q)):
-            log(f"target answers ({name}): {len(qs)} questions")
+            started = time.perf_counter()
             samples = features.distill(target, target.tokenizer, qs, options.max_prompt_tokens,
-                                       options.generation_batch, data / f"distill-{name}.jsonl")
-            sets[name] = features.rows(target.pipe, trunk, samples)
-            log(f"  {len(sets[name].labels)} rows")
+                                       options.generation_batch, data / f"distill-{name}-{options.max_new_tokens}.jsonl")
+            log(f"target answers ({name}): {len(samples)} questions ({time.perf_counter() - started:.0f} s)")
+            started = time.perf_counter()
+            sets[name] = features.rows(target.pipe, trunk, samples,
+                                       prompt_rows=options.prompt_rows if name == "train" else 0)
+            log(f"  {len(sets[name].labels)} rows ({time.perf_counter() - started:.0f} s)")
     finally:
         target.close()
     w, b = torch.from_numpy(weight), (torch.from_numpy(bias) if np.any(bias) else None)
