@@ -45,11 +45,9 @@ def train(options: ExitTrainOptions, log=print) -> ExitTrainResult:
     import torch
 
     from mirrorsd import specbench
-    from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.export.early_exit import features, graph
     from mirrorsd.export.early_exit.adapter import FitOptions, fit
     from mirrorsd.export.streaming.data import ExportTarget, pick
-    from mirrorsd.runtime import Pipeline
 
     source, output = Path(options.model).expanduser().resolve(), Path(options.output).expanduser().resolve()
     manifest = load_manifest(source)
