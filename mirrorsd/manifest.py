@@ -91,6 +91,21 @@ class TokenizerInfo:
 
 
 @dataclass(frozen=True)
+class ExitAdapterInfo:
+    """The trained exit adapter inside exit_head.onnx (mirrorsd-train-exit): x -> x + (x @ down) @ up before the LM
+    head. Scores are held-out shares of answer positions whose target token is in the exit's top-k ("top1", "top4",
+    "top8") and the mean cross-entropy ("loss"), untrained (the plain exit head) and trained."""
+
+    rank: int
+    train_rows: int
+    heldout_rows: int
+    untrained: dict[str, float]
+    trained: dict[str, float]
+    epochs: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything a runtime needs to drive an export folder."""
 
@@ -108,6 +123,7 @@ class Manifest:
     # rows verified beside it, so a quantized target may use int8 activations) or "eager" (folders exported before
     # it; quantized targets then keep fp32 activations).
     attention: str = "eager"
+    exit_adapter: ExitAdapterInfo | None = None  # a trained exit adapter (mirrorsd-train-exit), else None
 
     def graph(self, role: str) -> GraphSpec:
         try:

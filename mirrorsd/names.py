@@ -12,6 +12,8 @@ HIDDEN_STATES = "hidden_states"
 LOGITS = "logits"
 TOPK_IDS = "topk_ids"
 TOPK_LOGPROBS = "topk_logprobs"
+CANDIDATE_IDS = "candidate_ids"  # sparse exit head: [batch, sequence, m] token ids to score
+CANDIDATE_LOGITS = "candidate_logits"  # sparse exit head: [batch, sequence, m] their logits
 STREAM_LOGITS = "stream_logits"  # streaming draft: [batch, n, vocab], stream j predicts the token j+1 ahead
 
 # KV templates: global layer index filled in with %d (onnxruntime-genai's convention).
@@ -35,7 +37,8 @@ DRAFT = "draft"
 GRAPH_ROLES = (PREFIX, EXIT_HEAD, SUFFIX, DRAFT)
 DRAFT_STATIC = "draft_static"  # optional: the draft with fixed shapes for NPUs (mirrorsd-export --static-draft)
 DRAFT_STREAMING = "draft_streaming"  # optional: the draft + n lookahead streams (mirrorsd-train-draft folder)
-OPTIONAL_ROLES = (DRAFT_STATIC, DRAFT_STREAMING)
+EXIT_SPARSE = "exit_sparse"  # optional: the exit head scoring candidate tokens only (mirrorsd-train-exit)
+OPTIONAL_ROLES = (DRAFT_STATIC, DRAFT_STREAMING, EXIT_SPARSE)
 MANIFEST_FILE = "mirrorsd.json"
 PRECISIONS = ("fp32", "fp16", "int8", "int4")  # weight precisions of a model in an export (export/quantize.py);
 #                                               fp16: weights and compute in half precision (GPU targets)

@@ -4,7 +4,8 @@
     ---------------------------                     ---------------------------
     propose(): wait for a window        <-- Window --  fresh rollout, or a ready branch
     prefix([last] + window)                          extend: one forward on the window's last token
-    exit head -> top-k per position     -- Exit ---> re-rank candidate branches (draft runner-ups first)
+    exit head -> top-k per position     -- Exit ---> rank candidate branches (draft runner-ups + the exit;
+                                                     with the exit head on, the first batch waits for it)
     suffix -> target tokens -> verdict               roll out branches (d, v) in batches, best first,
     observe(verdict)                    -- Verdict->   until the verdict arrives or the cap is reached
                                                      branch (A+1, c) ready? adopt its KV + tokens (reuse)
@@ -54,6 +55,18 @@ class _Verdict:
     verdict: Verdict
     new_tokens: list[int]
     gamma: int
+
+
+@dataclass(frozen=True)
+class _ExitHandoff:
+    """The exit callback the target runs: posts the early exit to the worker. ``draft_top`` (the current window's
+    draft top-k, [g, k]) is what a sparse exit head scores (models.TargetModel)."""
+
+    inbox: queue.Queue
+    draft_top: np.ndarray | None
+
+    def __call__(self, ids: np.ndarray, logprobs: np.ndarray) -> None:
+        self.inbox.put(_Exit(ids, logprobs))
 
 
 class _Stop:
@@ -151,6 +164,8 @@ class DraftWorker(threading.Thread):
             if candidates is None:
                 candidates = self._extend_last(window)
                 message = self._poll()
+                if message is None and exit_msg is None and self.settings.exit_head:
+                    message = self.inbox.get()  # the early exit is on its way: the first branches are ranked with it
                 continue
             batch = []
             if len(spent) < self.settings.branches:
@@ -215,6 +230,7 @@ class MirrorProposer:
         self._active = False
         self.last_counters = WorkerCounters()
         self._stuck: DraftWorker | None = None  # a stopped worker still inside a draft call (see finish)
+        self._draft_top: np.ndarray | None = None  # the last window's draft top-k (a sparse exit head's candidates)
 
     @property
     def counters(self) -> WorkerCounters:
@@ -249,13 +265,13 @@ class MirrorProposer:
             self._active = False
             raise DraftWorkerError("The draft worker returned a malformed window", f"got {reply!r:.200}",
                                    "this is a bug in the draft graph or worker; please report it")
+        self._draft_top = reply.top_ids
         return reply
 
     def exit_callback(self):
         if not self._active or not self.settings.exit_head:
             return None
-        inbox = self.worker.inbox
-        return lambda ids, logprobs: inbox.put(_Exit(ids, logprobs))
+        return _ExitHandoff(self.worker.inbox, self._draft_top)
 
     def observe(self, verdict: Verdict, new_tokens: list[int], next_gamma: int) -> None:
         if self._active:

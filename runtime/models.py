@@ -14,8 +14,11 @@ from mirrorsd.runtime.kv_cache import KVCache
 from mirrorsd.runtime.limits import check_finite
 from mirrorsd.runtime.session import GraphSession
 from mirrorsd.runtime.state_cache import target_cache
+from mirrorsd.runtime.verify import candidate_logprobs, exit_candidates
 
 ExitCallback = Callable[[np.ndarray, np.ndarray], None]  # (topk_ids [S, k], topk_logprobs [S, k])
+# A callback may carry ``draft_top`` (ids [g, k], the draft's own top-k at each window position): with a sparse exit
+# head (exit_sparse.onnx) only those tokens are scored, instead of the whole vocabulary (verify.exit_candidates).
 
 
 def single_row_inputs(tokens: np.ndarray, past: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -36,8 +39,8 @@ class TargetModel:
     """
 
     def __init__(self, prefix: GraphSession, exit_head: GraphSession, suffix: GraphSession,
-                 cache: str = "present") -> None:
-        self.prefix, self.exit_head, self.suffix = prefix, exit_head, suffix
+                 cache: str = "present", exit_sparse: GraphSession | None = None) -> None:
+        self.prefix, self.exit_head, self.suffix, self.exit_sparse = prefix, exit_head, suffix, exit_sparse
         self._cache = cache
         self.prefix_cache = target_cache(prefix, kind=cache)
         self.suffix_cache = target_cache(suffix, kind=cache)
@@ -65,6 +68,15 @@ class TargetModel:
         With ``on_exit`` the exit head runs on the prefix's hidden state before the suffix starts, and its top-k
         (batch row 0) is handed over at once: this is the early-exit message of Mirror-SD.
         """
+        return self._forward(ids, mask, positions, on_exit)[1]
+
+    def extend_with_hidden(self, tokens) -> tuple[np.ndarray, np.ndarray]:
+        """Single sequence: (hidden state at the exit layer [S, H], logits [S, vocab]) of ``tokens`` fed after the
+        cached ones (the exit adapter's training data)."""
+        hidden, logits = self._forward(*single_row_inputs(tokens, self.length), None)
+        return hidden[0], logits[0]
+
+    def _forward(self, ids, mask, positions, on_exit) -> tuple[np.ndarray, np.ndarray]:
         new = ids.shape[1]
         feeds = {self.prefix.first_input: ids, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
         feeds.update(self.prefix_cache.past_feeds())
@@ -72,13 +84,23 @@ class TargetModel:
         self.prefix_cache.append_presents(out, new)
         hidden = out[self._hidden_name]  # [B, S, H]
         if on_exit is not None:
-            head = self.exit_head.run({self.exit_head.first_input: hidden})
-            on_exit(head[self._topk_ids][0], head[self._topk_logprobs][0])
+            on_exit(*self._exit_message(hidden, getattr(on_exit, "draft_top", None)))
         feeds = {self.suffix.first_input: hidden, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
         feeds.update(self.suffix_cache.past_feeds())
         out = self.suffix.run(feeds)
         self.suffix_cache.append_presents(out, new)
-        return check_finite(out[self._logits_name])
+        return hidden, check_finite(out[self._logits_name])
+
+    def _exit_message(self, hidden: np.ndarray, draft_top: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The early exit's (ids [S, k], log-probs [S, k]) for batch row 0: the sparse head over the draft's
+        candidates when the folder has one and the draft listed candidates, else the full head's top-k."""
+        if self.exit_sparse is not None and draft_top is not None and draft_top.size:
+            candidates = exit_candidates(draft_top, hidden.shape[1])  # [S, m], -1 = none
+            names_in = self.exit_sparse.input_names
+            out = self.exit_sparse.run({names_in[0]: hidden[:1], names_in[1]: np.maximum(candidates, 0)[None]})
+            return candidate_logprobs(candidates, out[self.exit_sparse.output_names[0]][0])
+        head = self.exit_head.run({self.exit_head.first_input: hidden})
+        return head[self._topk_ids][0], head[self._topk_logprobs][0]
 
     def extend(self, tokens, on_exit: ExitCallback | None = None) -> np.ndarray:
         """Single sequence: feed ``tokens`` after the cached ones; returns logits [S, vocab]."""

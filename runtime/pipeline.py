@@ -52,7 +52,8 @@ class Pipeline:
     def __init__(self, folder: Path, manifest: Manifest, sessions: dict[str, GraphSession], placements: dict) -> None:
         self.folder, self.manifest, self.sessions, self.placements = folder, manifest, sessions, placements
         self.codec = TextCodec(folder, manifest)
-        self.target = TargetModel(sessions[names.PREFIX], sessions[names.EXIT_HEAD], sessions[names.SUFFIX])
+        self.target = TargetModel(sessions[names.PREFIX], sessions[names.EXIT_HEAD], sessions[names.SUFFIX],
+                                  exit_sparse=sessions.get(names.EXIT_SPARSE))
         self.draft = draft_model(sessions[names.DRAFT])  # StaticDraftModel when placed on the static graph
         self.streaming_draft = streaming_draft(sessions)  # None unless the export has a streaming draft
         self._mirror: MirrorProposer | None = None
@@ -87,6 +88,13 @@ class Pipeline:
                                             devices.draft_threads or default_threads(), plan.decision("draft"),
                                             kernels=plan.kernels)
             sessions[spec.role] = GraphSession(spec, backend, placement, timelines["draft"])
+            placements[spec.role] = placement
+        if names.EXIT_SPARSE in manifest.graphs:  # beside the exit head, on the target's device
+            spec = manifest.graph(names.EXIT_SPARSE)
+            backend, placement = open_graph(graph_path(folder, spec), spec.model, devices,
+                                            devices.target_threads or default_threads(), plan.decision("target"),
+                                            kernels=plan.kernels)
+            sessions[spec.role] = GraphSession(spec, backend, placement, timelines["target"])
             placements[spec.role] = placement
         return cls(folder, manifest, sessions, placements)
 

@@ -167,22 +167,23 @@ def rank_branches(window: np.ndarray, draft_ids: np.ndarray, draft_logprobs: np.
     """Candidate branches ranked by the estimated probability that the verdict is exactly (d, v), best first.
 
     window [g]; draft_ids/draft_logprobs [g + 1, k_d]: the draft's top tokens at each window position (row g is
-    the position after the window); exit_ids/exit_logprobs [g + 1, k_e]: the early exit's top tokens, if known.
+    the position after the window); exit_ids/exit_logprobs [g + 1, k_e]: the early exit's top tokens, if known
+    (id -1: none; a source that lists no token at d is left out there).
     accept_rate a: the measured chance that the target accepts a drafted token (the draft's own softmax is not
     calibrated for that, so acceptance is modelled as geometric: P(A >= d) = a^d).
-    q_d(v) = mean of the sources' probabilities of v at d (a source that does not list v gives 0);
+    q_d(v) = the sources' estimate of v at d:
+        the exit lists only tokens the draft lists (a sparse exit head scored the draft's candidates): the draft's
+            probabilities re-weighted by the exit's (product of experts), scaled back to the draft's total there;
+        otherwise: the mean of the sources' probabilities (a source that does not list v gives 0);
         d <= g:  score(d, v) = a^(d-1) * (1 - a) * q_d(v) / (1 - q_d(window_d)),   v != window_d
         d = g+1: score(d, v) = a^g * q_d(v)                                         (the bonus token)
     """
     g = len(window)
     a = float(min(max(accept_rate, 0.0), 1.0))
-    sources = [(draft_ids, draft_logprobs)] + ([(exit_ids, exit_logprobs)] if exit_ids is not None else [])
     ranked = []
     for d in range(g + 1):
-        probs: dict[int, float] = {}
-        for ids, logprobs in sources:
-            for tok, p in zip(ids[d].tolist(), np.exp(logprobs[d]).tolist()):
-                probs[tok] = probs.get(tok, 0.0) + p / len(sources)
+        probs = _position_probs(draft_ids[d], draft_logprobs[d],
+                                None if exit_ids is None else exit_ids[d], None if exit_ids is None else exit_logprobs[d])
         if d < g:
             drafted = int(window[d])
             miss = max(1.0 - probs.get(drafted, 0.0), 1e-6)
@@ -195,3 +196,47 @@ def rank_branches(window: np.ndarray, draft_ids: np.ndarray, draft_logprobs: np.
                 ranked.append(Branch(d + 1, tok, weight * p))
     ranked.sort(key=lambda b: (-b.score, b.depth, b.token))
     return ranked[:limit] if limit is not None else ranked
+
+
+def _position_probs(draft_ids, draft_lps, exit_ids, exit_lps) -> dict[int, float]:
+    """q_d over the tokens listed at one position (see rank_branches)."""
+    listed = [(ids, lps) for ids, lps in ((draft_ids, draft_lps), (exit_ids, exit_lps))
+              if ids is not None and (ids >= 0).any()]
+    rows = [{t: p for t, p in zip(ids.tolist(), np.exp(lps).tolist()) if t >= 0} for ids, lps in listed]
+    if len(rows) == 2 and rows[1].keys() <= rows[0].keys():  # a sparse exit: re-weight the draft's candidates
+        draft, exit_p = rows
+        joint = {t: p * exit_p.get(t, 0.0) for t, p in draft.items()}
+        total = sum(joint.values())
+        if total > 0:
+            scale = sum(draft.values()) / total
+            return {t: p * scale for t, p in joint.items()}
+    probs: dict[int, float] = {}
+    for row in rows:
+        for tok, p in row.items():
+            probs[tok] = probs.get(tok, 0.0) + p / len(rows)
+    return probs
+
+
+def exit_candidates(draft_top: np.ndarray, rows: int) -> np.ndarray:
+    """The tokens a sparse exit head scores: draft_top [g', k] (the draft's top-k at each window position) ->
+    candidates [rows, k] for the verification rows [last] + window: row d < rows - 1 takes the draft's top-k at window
+    position d + 1; the last row (the position after the window, which the draft has not reached yet) gets -1 (none)."""
+    out = np.full((rows, draft_top.shape[1]), -1, np.int64)
+    take = min(rows - 1, len(draft_top))
+    out[:take] = draft_top[:take]
+    return out
+
+
+def candidate_logprobs(candidates: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """candidates [S, m] (-1: none), logits [S, m] at them -> (ids [S, m], log-probs [S, m]) best first, log-probs
+    normalised over each row's candidates (a sparse head does not see the rest of the vocabulary); -1 / -inf where
+    a row has fewer candidates."""
+    valid = candidates >= 0
+    masked = np.where(valid, logits.astype(np.float64), -np.inf)
+    peak = np.max(np.where(valid, masked, np.finfo(np.float64).min), axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        norm = peak + np.log(np.sum(np.where(valid, np.exp(masked - peak), 0.0), axis=-1, keepdims=True))
+        logprobs = np.where(valid, masked - norm, -np.inf)
+    order = np.argsort(-logprobs, axis=-1, kind="stable")
+    ids = np.where(np.take_along_axis(valid, order, -1), np.take_along_axis(candidates, order, -1), -1)
+    return ids.astype(np.int64), np.take_along_axis(logprobs, order, -1).astype(np.float32)
