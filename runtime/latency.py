@@ -1,0 +1,203 @@
+"""The latency model: tokens/s of ar, sd and mirror predicted from measured step costs and acceptance statistics.
+
+Pure functions of numbers (no sessions, no threads). The costs come from a device profile (mirrorsd/profile.py),
+the acceptance statistics from a calibration run or from the running generation (runtime/auto.py).
+
+Glossary (seconds unless said otherwise; w = rows of a verification window = gamma + 1):
+
+    verify(w)     one target pass over w tokens: prefix(w) + suffix(w) + the host's work per step
+    exit(w)       the early-exit head on those w rows (mirror with the exit head only)
+    draft1        one draft forward of one row, through the rollout engine (host work included)
+    branch_fwd    one draft forward of a batch of branch rows (mirror's rollouts)
+    c_target      how much longer the target takes while the draft runs at the same time (1.0 = no contention;
+                  on one CPU both share the cores and the memory bus)
+    c_draft       the same for the draft while the target runs
+    alpha         per-token acceptance: P(the target accepts a draft token | it accepted the ones before)
+    reuse         fraction of Mirror-SD windows taken from a branch rolled out during verification (a hit)
+
+Step times (the paper's model, ALGORITHM.md, with the edge's contention terms):
+
+    ar       T = verify(1)                                                         1 token per step
+    sd       T = gamma * draft1 + verify(gamma + 1)                                E[A + 1] tokens per step
+    mirror   T = c_target * (verify(g + 1) + exit(g + 1))                          E[A + 1] tokens per step
+                 + 0.5 * c_draft * branch_fwd     (the verdict waits for the branch forward under way)
+                 + (1 - reuse) * gamma * draft1   (a miss: the fallback window is drafted after the verdict)
+
+    E[A + 1] = (1 - alpha^(gamma + 1)) / (1 - alpha)    (acceptance independent per position)
+
+The draft in mirror runs under the target (while the target verifies, the worker rolls out branches until the
+verdict arrives), so its cost shows up as contention and as the miss term, not as gamma * draft1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+MODES = ("ar", "sd", "mirror")
+ALPHA_CAP = 0.999  # an acceptance of exactly 1 makes E[A+1] a 0/0 limit; the cap keeps it finite (= gamma + 1)
+
+
+@dataclass(frozen=True)
+class SplitCosts:
+    """Measured costs of one placement and thread split (one entry of a profile)."""
+
+    target_threads: int
+    draft_threads: int
+    verify_s: tuple[float, ...]  # [w - 1] -> verify(w), w = 1 .. len; prefix + suffix + host per step
+    exit_s: tuple[float, ...]  # [w - 1] -> exit(w)
+    draft1_s: float  # one draft forward, one row, via the rollout engine
+    branch_fwd_s: float  # one draft forward of branch_batch rows
+    branch_batch: int  # the rows branch_fwd_s was measured with
+    c_target: float = 1.0
+    c_draft: float = 1.0
+    stream_window_s: tuple[float, ...] = ()  # [g - 1] -> a streaming draft's window of g tokens ((): none)
+    label: str = ""  # the placement in words, e.g. "target cpu 2t, draft cpu 2t"
+
+    @property
+    def max_gamma(self) -> int:
+        return len(self.verify_s) - 1
+
+    @property
+    def split(self) -> str:
+        return f"{self.target_threads}+{self.draft_threads}"
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The pair's acceptance statistics: per-token acceptance alpha, and Mirror-SD's reuse rate (with and without
+    the exit head's candidates). ``source`` says where they come from (calibration, online, hand-written)."""
+
+    alpha: float
+    reuse: float
+    reuse_noexit: float | None = None  # None: same as reuse
+    source: str = "prior"
+
+    def reuse_for(self, exit_head: bool) -> float:
+        return self.reuse if exit_head or self.reuse_noexit is None else self.reuse_noexit
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a generation: the mode, its window and branch settings, and the thread split."""
+
+    mode: str
+    gamma: int = 0
+    exit_head: bool = True
+    streaming: bool = False
+    split: str = ""  # SplitCosts.split it runs on
+
+    @property
+    def name(self) -> str:
+        if self.mode == "ar":
+            return f"ar {self.split}".strip()
+        extra = "" if self.mode != "mirror" or self.exit_head else "-noexit"
+        stream = "-stream" if self.streaming else ""
+        return f"{self.mode}{extra}{stream} g{self.gamma} {self.split}".strip()
+
+
+@dataclass(frozen=True)
+class Prediction:
+    strategy: Strategy
+    step_s: float
+    tokens_per_step: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step_s if self.step_s > 0 else 0.0
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E[A + 1]: tokens a step commits (accepted + the correction) when each draft token is accepted with
+    probability alpha given the ones before it. gamma = 0 (ar) commits 1."""
+    a = min(max(alpha, 0.0), ALPHA_CAP)
+    return (1.0 - a ** (gamma + 1)) / (1.0 - a)
+
+
+def alpha_from_mean_accepted(mean_accepted: float, gamma: int) -> float:
+    """The alpha whose expected_tokens(alpha, gamma) is ``mean_accepted`` (SpecBench's mean accepted tokens,
+    1 .. gamma + 1), by bisection (the function increases with alpha)."""
+    target = min(max(mean_accepted, 1.0), gamma + 1.0)
+    lo, hi = 0.0, ALPHA_CAP
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, gamma) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def step_time(costs: SplitCosts, strategy: Strategy, acceptance: Acceptance) -> float:
+    """Seconds per decoding step of ``strategy`` on ``costs`` (see the module docstring)."""
+    g = strategy.gamma
+    if strategy.mode == "ar":
+        return costs.verify_s[0]
+    window = _window_s(costs, g, strategy.streaming)
+    if strategy.mode == "sd":
+        return window + costs.verify_s[g]
+    if strategy.mode == "mirror":
+        target = costs.verify_s[g] + (costs.exit_s[g] if strategy.exit_head else 0.0)
+        miss = 1.0 - acceptance.reuse_for(strategy.exit_head)
+        return costs.c_target * target + 0.5 * costs.c_draft * costs.branch_fwd_s + miss * window
+    raise ValueError(f"unknown mode {strategy.mode!r}")
+
+
+def _window_s(costs: SplitCosts, gamma: int, streaming: bool) -> float:
+    if streaming and len(costs.stream_window_s) >= gamma:
+        return costs.stream_window_s[gamma - 1]
+    return gamma * costs.draft1_s
+
+
+def predict(costs: SplitCosts, strategy: Strategy, acceptance: Acceptance) -> Prediction:
+    """tokens/s of ``strategy``: E[A + 1] / step time."""
+    strategy = replace(strategy, split=costs.split)
+    tokens = 1.0 if strategy.mode == "ar" else expected_tokens(acceptance.alpha, strategy.gamma)
+    return Prediction(strategy, step_time(costs, strategy, acceptance), tokens)
+
+
+@dataclass(frozen=True)
+class Table:
+    """Every candidate strategy's prediction, fastest first."""
+
+    rows: tuple[Prediction, ...]
+    acceptance: Acceptance
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def best(self) -> Prediction:
+        return self.rows[0]
+
+    def best_of(self, mode: str, split: str | None = None, exit_head: bool | None = None) -> Prediction | None:
+        for row in self.rows:
+            s = row.strategy
+            if s.mode == mode and split in (None, s.split) and exit_head in (None, s.exit_head or mode != "mirror"):
+                return row
+        return None
+
+    def to_dict(self, limit: int = 12) -> dict:
+        return {"acceptance": {"alpha": round(self.acceptance.alpha, 4), "reuse": round(self.acceptance.reuse, 4),
+                               "reuse_noexit": None if self.acceptance.reuse_noexit is None
+                               else round(self.acceptance.reuse_noexit, 4), "source": self.acceptance.source},
+                "predicted": [{"strategy": r.strategy.name, "tokens_per_second": round(r.tokens_per_second, 2),
+                               "step_ms": round(r.step_s * 1e3, 2), "tokens_per_step": round(r.tokens_per_step, 3)}
+                              for r in self.rows[:limit]]}
+
+
+def candidates(costs: SplitCosts, gammas: tuple[int, ...] | None = None, streaming: bool = False) -> list[Strategy]:
+    """ar, sd at every gamma, mirror with and without the exit head at every gamma, on one split."""
+    gammas = gammas or tuple(range(1, costs.max_gamma + 1))
+    gammas = tuple(g for g in gammas if 1 <= g <= costs.max_gamma)
+    out = [Strategy("ar", split=costs.split)]
+    for g in gammas:
+        out.append(Strategy("sd", g, streaming=streaming, split=costs.split))
+        out += [Strategy("mirror", g, exit_head=e, streaming=streaming, split=costs.split) for e in (True, False)]
+    return out
+
+
+def rank(splits: list[SplitCosts], acceptance: Acceptance, gammas: tuple[int, ...] | None = None,
+         streaming: bool = False) -> Table:
+    """Predict every candidate on every split; fastest first (ties keep the simpler strategy first: ar, then sd)."""
+    rows = [predict(c, s, acceptance) for c in splits for s in candidates(c, gammas, streaming and
+                                                                            bool(c.stream_window_s))]
+    order = {m: i for i, m in enumerate(MODES)}
+    rows.sort(key=lambda p: (-round(p.tokens_per_second, 9), order[p.strategy.mode], p.strategy.gamma))
+    return Table(tuple(rows), acceptance)

@@ -1,0 +1,66 @@
+"""The latency model's pure functions against cases computed by hand."""
+from __future__ import annotations
+
+import pytest
+
+from mirrorsd.runtime.latency import (Acceptance, SplitCosts, Strategy, alpha_from_mean_accepted, expected_tokens,
+                                      predict, rank, step_time)
+
+COSTS = SplitCosts(target_threads=2, draft_threads=2,
+                   verify_s=(0.036, 0.040, 0.041, 0.042, 0.0435), exit_s=(0.002, 0.002, 0.003, 0.003, 0.004),
+                   draft1_s=0.012, branch_fwd_s=0.014, branch_batch=2, c_target=1.5, c_draft=1.25)
+HALF = Acceptance(alpha=0.5, reuse=0.6, reuse_noexit=0.4)
+
+
+def test_expected_tokens_by_hand():
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)  # every draft token rejected: the correction only
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)  # 1 + 0.5
+    assert expected_tokens(0.5, 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0, rel=1e-2)  # capped just below 1: gamma + 1
+    assert expected_tokens(0.7, 0) == 1.0  # ar
+
+
+@pytest.mark.parametrize("mean,gamma", [(1.0, 4), (1.9375, 4), (3.0, 4), (2.5, 2), (5.0, 4)])
+def test_alpha_from_mean_accepted_inverts_expected_tokens(mean, gamma):
+    alpha = alpha_from_mean_accepted(mean, gamma)
+    assert expected_tokens(alpha, gamma) == pytest.approx(mean, abs=1e-2)
+    assert alpha_from_mean_accepted(1.9375, 4) == pytest.approx(0.5, abs=1e-6)
+
+
+def test_step_times_by_hand():
+    assert step_time(COSTS, Strategy("ar"), HALF) == pytest.approx(0.036)
+    # sd g4: 4 draft forwards, then one verification of 5 rows
+    assert step_time(COSTS, Strategy("sd", 4), HALF) == pytest.approx(4 * 0.012 + 0.0435)
+    # mirror g4, exit head: 1.5 * (43.5 + 4) + 0.5 * 1.25 * 14 + 0.4 * 4 * 12 ms
+    assert step_time(COSTS, Strategy("mirror", 4), HALF) == pytest.approx(
+        1.5 * 0.0475 + 0.5 * 1.25 * 0.014 + 0.4 * 0.048)
+    # without the exit head: no exit pass, but the draft-only reuse rate (0.4 -> misses 0.6)
+    assert step_time(COSTS, Strategy("mirror", 4, exit_head=False), HALF) == pytest.approx(
+        1.5 * 0.0435 + 0.5 * 1.25 * 0.014 + 0.6 * 0.048)
+
+
+def test_predict_tokens_per_second_by_hand():
+    sd = predict(COSTS, Strategy("sd", 2), HALF)
+    assert sd.tokens_per_step == pytest.approx(1.75)
+    assert sd.tokens_per_second == pytest.approx(1.75 / (2 * 0.012 + 0.041))
+    assert sd.strategy.split == "2+2"
+    assert predict(COSTS, Strategy("ar"), HALF).tokens_per_second == pytest.approx(1 / 0.036)
+
+
+def test_rank_picks_ar_for_a_useless_draft_and_speculation_for_a_perfect_one():
+    useless = rank([COSTS], Acceptance(alpha=0.0, reuse=0.0))
+    assert useless.best.strategy.mode == "ar"
+    perfect = rank([COSTS], Acceptance(alpha=1.0, reuse=1.0))
+    assert perfect.best.strategy.mode in ("sd", "mirror") and perfect.best.strategy.gamma == COSTS.max_gamma
+    # no contention and every window reused: mirror hides the draft entirely, so it beats sd at the same gamma
+    free = SplitCosts(**{**COSTS.__dict__, "c_target": 1.0, "c_draft": 1.0})
+    table = rank([free], Acceptance(alpha=0.8, reuse=1.0))
+    assert table.best_of("mirror").tokens_per_second > table.best_of("sd").tokens_per_second
+
+
+def test_rank_compares_thread_splits():
+    one = SplitCosts(**{**COSTS.__dict__, "target_threads": 1, "draft_threads": 1,
+                        "verify_s": tuple(2 * v for v in COSTS.verify_s), "c_target": 1.0, "c_draft": 1.0})
+    table = rank([COSTS, one], Acceptance(alpha=0.0, reuse=0.0))
+    assert table.best.strategy.name == "ar 2+2"
+    assert table.best_of("ar", "1+1").tokens_per_second == pytest.approx(1 / 0.072)
