@@ -34,8 +34,8 @@ class Profile:
     created: str = ""
 
     def split(self, target_threads: int, draft_threads: int) -> SplitCosts | None:
-        return next((s for s in self.splits if (s.target_threads, s.draft_threads) == (target_threads,
-                                                                                       draft_threads)), None)
+        return next((s for s in self.splits if not s.name and (s.target_threads, s.draft_threads) ==
+                     (target_threads, draft_threads)), None)
 
     def with_split(self, costs: SplitCosts, detail: dict) -> "Profile":
         """This profile with ``costs`` added (replacing a split measured before with the same threads)."""

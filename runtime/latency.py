@@ -15,18 +15,22 @@ Glossary (seconds unless said otherwise; w = rows of a verification window = gam
     alpha         per-token acceptance: P(the target accepts a draft token | it accepted the ones before)
     reuse         fraction of Mirror-SD windows taken from a branch rolled out during verification (a hit)
 
-Step times (the paper's model, ALGORITHM.md, with the edge's contention terms):
+Step times (the paper's model, ALGORITHM.md, with the edge's contention terms and the worker's real schedule):
 
     ar       T = verify(1)                                                         1 token per step
     sd       T = gamma * draft1 + verify(gamma + 1)                                E[A + 1] tokens per step
-    mirror   T = c_target * (verify(g + 1) + exit(g + 1))                          E[A + 1] tokens per step
-                 + 0.5 * c_draft * branch_fwd     (the verdict waits for the branch forward under way)
-                 + (1 - reuse) * gamma * draft1   (a miss: the fallback window is drafted after the verdict)
+    mirror   V = c_target * (verify(g + 1) + exit(g + 1))   the target verifies while the draft rolls out:
+             F = c_draft * (draft1 + g * branch_fwd)        one forward on the window's last token, then the
+                                                            first batch of branches (the likeliest ones)
+             hit:  V + wait, wait = (F - V) / c_draft when the first batch is still running at the verdict (the
+                   hit branch is finished, alone now), else 0.5 * branch_fwd (the forward under way)
+             miss: V + 0.5 * branch_fwd + g * draft1        (the fallback window is drafted after the verdict)
+             T = reuse * hit + (1 - reuse) * miss                                  E[A + 1] tokens per step
 
     E[A + 1] = (1 - alpha^(gamma + 1)) / (1 - alpha)    (acceptance independent per position)
 
-The draft in mirror runs under the target (while the target verifies, the worker rolls out branches until the
-verdict arrives), so its cost shows up as contention and as the miss term, not as gamma * draft1.
+The draft in mirror runs under the target, so its cost shows up as contention, as the wait for an unfinished
+branch and as the miss term, not as gamma * draft1.
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ class SplitCosts:
     c_draft: float = 1.0
     stream_window_s: tuple[float, ...] = ()  # [g - 1] -> a streaming draft's window of g tokens ((): none)
     label: str = ""  # the placement in words, e.g. "target cpu 2t, draft cpu 2t"
+    name: str = ""  # a short name for the split in tables ("" = the thread split, e.g. "2+2")
 
     @property
     def max_gamma(self) -> int:
@@ -58,7 +63,7 @@ class SplitCosts:
 
     @property
     def split(self) -> str:
-        return f"{self.target_threads}+{self.draft_threads}"
+        return self.name or f"{self.target_threads}+{self.draft_threads}"
 
 
 @dataclass(frozen=True)
@@ -135,10 +140,18 @@ def step_time(costs: SplitCosts, strategy: Strategy, acceptance: Acceptance) -> 
     if strategy.mode == "sd":
         return window + costs.verify_s[g]
     if strategy.mode == "mirror":
-        target = costs.verify_s[g] + (costs.exit_s[g] if strategy.exit_head else 0.0)
-        miss = 1.0 - acceptance.reuse_for(strategy.exit_head)
-        return costs.c_target * target + 0.5 * costs.c_draft * costs.branch_fwd_s + miss * window
+        return mirror_step(costs, g, strategy.exit_head, acceptance.reuse_for(strategy.exit_head), window)
     raise ValueError(f"unknown mode {strategy.mode!r}")
+
+
+def mirror_step(costs: SplitCosts, gamma: int, exit_head: bool, reuse: float, window_s: float) -> float:
+    """Mirror-SD's step time (module docstring): the verification under contention, then the wait for the hit
+    branch (probability ``reuse``) or the fallback window of ``window_s`` seconds."""
+    verify = costs.c_target * (costs.verify_s[gamma] + (costs.exit_s[gamma] if exit_head else 0.0))
+    first_batch = costs.c_draft * (costs.draft1_s + gamma * costs.branch_fwd_s)
+    hit_wait = (first_batch - verify) / costs.c_draft if first_batch > verify else 0.5 * costs.branch_fwd_s
+    miss_wait = 0.5 * costs.branch_fwd_s + window_s
+    return verify + reuse * hit_wait + (1.0 - reuse) * miss_wait
 
 
 def _window_s(costs: SplitCosts, gamma: int, streaming: bool) -> float:

@@ -31,12 +31,16 @@ def test_step_times_by_hand():
     assert step_time(COSTS, Strategy("ar"), HALF) == pytest.approx(0.036)
     # sd g4: 4 draft forwards, then one verification of 5 rows
     assert step_time(COSTS, Strategy("sd", 4), HALF) == pytest.approx(4 * 0.012 + 0.0435)
-    # mirror g4, exit head: 1.5 * (43.5 + 4) + 0.5 * 1.25 * 14 + 0.4 * 4 * 12 ms
+    # mirror g4, exit head: V = 1.5 * (43.5 + 4) = 71.25 ms; first batch F = 1.25 * (12 + 4 * 14) = 85 ms, still
+    # running at the verdict: a hit waits (85 - 71.25) / 1.25 = 11 ms; a miss waits 7 + 48 ms. reuse 0.6.
     assert step_time(COSTS, Strategy("mirror", 4), HALF) == pytest.approx(
-        1.5 * 0.0475 + 0.5 * 1.25 * 0.014 + 0.4 * 0.048)
-    # without the exit head: no exit pass, but the draft-only reuse rate (0.4 -> misses 0.6)
+        0.07125 + 0.6 * 0.011 + 0.4 * (0.007 + 0.048))
+    # without the exit head: V = 1.5 * 43.5 = 65.25 ms, hit wait (85 - 65.25) / 1.25 = 15.8 ms, reuse 0.4
     assert step_time(COSTS, Strategy("mirror", 4, exit_head=False), HALF) == pytest.approx(
-        1.5 * 0.0435 + 0.5 * 1.25 * 0.014 + 0.6 * 0.048)
+        0.06525 + 0.4 * 0.0158 + 0.6 * 0.055)
+    # g1: F = 1.25 * (12 + 14) = 32.5 ms, done before V = 1.5 * (40 + 2) = 63 ms: a hit waits half a forward (7 ms)
+    assert step_time(COSTS, Strategy("mirror", 1), HALF) == pytest.approx(
+        0.063 + 0.6 * 0.007 + 0.4 * (0.007 + 0.012))
 
 
 def test_predict_tokens_per_second_by_hand():
