@@ -5,9 +5,10 @@
     mirrorsd  mirrorsd's, or DeviceError saying why it cannot run here
     ort       ONNX Runtime's
 
-Both are exact: each computes a row's bits the same whatever the number of rows beside it (ONNX Runtime's at accuracy
-level 4, measured; mirrorsd's by construction), so sd/mirror equal ar with either. They are not bitwise equal to each
-other, so compare modes within one choice. mirrorsd's is the faster (docs/performance.md: Qwen2.5-Coder 1.5B int4
+mirrorsd's computes a row's bits the same whatever the number of rows beside it, by construction, on every path.
+ONNX Runtime's does so at accuracy level 4 on the AVX-512 VNNI CPUs measured, not on an AVX2-only one: the pipeline
+measures it at the first speculative generation (devices/ort_kernel_check.py) and refuses sd/mirror where it is not
+(Pipeline.inexact_windows). The two kernels are not bitwise equal to each other, so compare modes within one choice. mirrorsd's is the faster (docs/performance.md: Qwen2.5-Coder 1.5B int4
 target forward 36 vs 47 ms for one row, 44 vs 89 ms for five, 2 threads on a Zen 4 core pair).
 """
 from __future__ import annotations

@@ -133,15 +133,43 @@ class Pipeline:
             raise GenerationInputError(
                 f"The prompt has {len(ids)} tokens", f"the exported graphs allow {self.context_limit} in all",
                 "shorten the prompt")
+        inexact = self.inexact_windows() if config.mode != "ar" else ""
+        if config.mode == AUTO and inexact:
+            config = replace(config, mode="ar")  # the only exact mode here; auto never trades exactness for speed
         widest = config
         if config.mode == AUTO:  # checked as the widest strategy auto may pick; measured before the lock
             self.profile(progress=False)
             widest = replace(config, mode="mirror", gamma=max(config.gamma, self._profile_costs().max_gamma))
         limits.check_generation(widest, self.manifest, len(ids), self.context_limit)
+        if config.mode != "ar" and inexact:
+            raise GenerationInputError(
+                f"--mode {config.mode} would not reproduce target-only decoding here", inexact,
+                "pass --kernels mirrorsd or auto (mirrorsd's kernels need a C++ compiler: bash scripts/setup.sh "
+                "installs one), or use --mode ar")
         if widest.mode != "ar" and isinstance(self.draft, StaticDraftModel):
             self.draft.check_room(len(ids) + config.max_new_tokens, widest.gamma)
         with self._lock:
             return self._generate(ids, config, on_text, sampling)
+
+    def inexact_windows(self) -> str:
+        """Why a verification window's rows would not be bitwise the rows ar decodes, or "" (the usual case): only a
+        target with int8 activations (a quantized grouped-attention export) run by ONNX Runtime's own CPU kernel on
+        a CPU where that kernel's one-row path differs from its several-row path (devices/ort_kernel_check.py)."""
+        precision = self.manifest.export_options.get("target_precision")
+        if self.manifest.attention != "grouped" or precision not in ("int4", "int8"):
+            return ""
+        ort_kernel = [p for role, p in self.placements.items() if p.model == "target" and p.backend == "onnxruntime"
+                      and "CPU" in p.effective and p.kernels != "mirrorsd"]
+        if not ort_kernel:
+            return ""
+        from mirrorsd.devices.ort_kernel_check import ort_int8_kernel_difference
+
+        difference = ort_int8_kernel_difference()
+        if difference == 0.0:
+            return ""
+        return (f"the {precision} target runs ONNX Runtime's MatMulNBits kernel with int8 activations, whose one-row "
+                f"path differs from its several-row path on this CPU (by {difference:.1e} per layer, measured "
+                f"at load), so verification windows drift from one-row decoding")
 
     def sampling(self, config: GenerationConfig) -> SamplingParams:
         """The sampling settings ``config`` resolves to: its values, else this export's defaults, else transformers'."""

@@ -18,7 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from catalogue import Workspace, execute  # noqa: E402
-from catalogue_cases import CASES, build_fixtures  # noqa: E402
+from catalogue_cases import CASES  # noqa: E402
+from catalogue_fixtures import build_fixtures  # noqa: E402
 
 
 def main() -> int:

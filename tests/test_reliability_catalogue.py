@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from catalogue import Workspace, execute
-from catalogue_cases import CASES, build_fixtures
+from catalogue_cases import CASES
+from catalogue_fixtures import build_fixtures
 
 
 @pytest.fixture(scope="session")

@@ -120,13 +120,16 @@ const Path* select_path(std::string& why) {
   size_t count = 0;
   const Path* const* paths = all_paths(count);
   const char* wanted = std::getenv("MIRRORSD_KERNELS_ISA");
-  for (size_t i = 0; i < count; ++i) {
-    if (wanted && *wanted && std::strcmp(wanted, paths[i]->name) != 0) continue;
+  const bool forced = wanted && *wanted;
+  for (size_t i = 0; i < count; ++i) {  // fastest first
+    if (forced && std::strcmp(wanted, paths[i]->name) != 0) continue;
     if (cpu_runs(*paths[i])) return paths[i];
+    if (!forced) continue;  // not on this CPU: the next one
     why = std::string("MIRRORSD_KERNELS_ISA=") + wanted + " names a path this CPU cannot run";
     return nullptr;
   }
-  why = std::string("MIRRORSD_KERNELS_ISA=") + (wanted ? wanted : "") + " names no path (avx512vnni, avx2, scalar)";
+  why = forced ? std::string("MIRRORSD_KERNELS_ISA=") + wanted + " names no path (avx512vnni, avx2, scalar)"
+               : std::string("this CPU runs none of the built paths");
   return nullptr;
 }
 
