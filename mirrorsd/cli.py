@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "device set, then cached); ar: target only; sd: draft then verify; mirror: draft branches run "
                    "during verification")
     flags.add(gen, G, "max_new_tokens", help="tokens to generate at most (EOS and the context may stop it earlier)")
-    flags.add(gen, G, "gamma", help="draft window: tokens proposed per step")
+    flags.add(gen, G, "gamma", help="draft window: tokens proposed per step (auto picks its own, 1..6)")
     flags.add(gen, G, "branches", help="mirror: branches rolled out per step at most")
     flags.add(gen, G, "branch_batch", help="mirror: branches per batched draft call")
     flags.add(gen, G, "runner_up_k", help="mirror: draft candidates kept per position")
@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     flags.add(bench, B, "model", required=True, type=Path, help="an export folder")
     bench.add_argument("--modes", default=",".join(B.modes),
-                       help="comma-separated modes; ar is the speedup baseline. Ours: ar, sd, mirror, mirror-noexit, "
+                       help="comma-separated modes; ar is the speedup baseline. Ours: ar, sd, mirror, auto (the mode "
+                            "the latency model picks; stats.auto in runs.json says which and why), mirror-noexit, "
                             "mirror-cap, mirror-wide (6 branches in batches of 3, no exit head), sd-nostream, "
                             "mirror-nostream. The same decoders in C++ (libmirrorsd, runtime/native): c-ar, c-sd, "
                             "c-mirror, c-mirror-noexit. Peers (bash scripts/setup.sh --peers): hf-ar, "

@@ -84,11 +84,12 @@ class Switch:
     reason: str
 
 
-def plan_table(costs: SplitCosts, acceptance: Acceptance, streaming: bool = False,
-               max_gamma: int | None = None) -> Table:
-    """Every strategy on the pipeline's own split, fastest first."""
+def plan_table(costs: SplitCosts, acceptance: Acceptance, streaming: bool = False, max_gamma: int | None = None,
+               context: int = 0, new_tokens: int = 0, current: Strategy | None = None) -> Table:
+    """Every strategy on the pipeline's own split, fastest first, for a generation of ``new_tokens`` after
+    ``context`` tokens (``current``: the strategy already running, which has no start-up cost left)."""
     gammas = tuple(range(1, min(max_gamma or costs.max_gamma, costs.max_gamma) + 1))
-    return rank([costs], acceptance, gammas, streaming)
+    return rank([costs], acceptance, gammas, streaming, context, new_tokens, current)
 
 
 def why(table: Table) -> str:
@@ -111,11 +112,15 @@ class AutoProposer:
     mode = "auto"
 
     def __init__(self, make: Callable[[Strategy], object], costs: SplitCosts, prior: Acceptance,
-                 streaming: bool = False, max_gamma: int | None = None,
-                 plan: Callable[[Acceptance], Table] | None = None) -> None:
+                 streaming: bool = False, max_gamma: int | None = None, context: int = 0,
+                 new_tokens: int = 0) -> None:
         self._make = make  # Strategy -> a proposer (TargetOnly, SerialDraft, MirrorProposer)
         self.costs, self.prior = costs, prior
-        self._plan = plan or (lambda acceptance: plan_table(costs, acceptance, streaming, max_gamma))
+        self.context, self.new_tokens = context, new_tokens  # the prompt's tokens; the tokens asked for
+        self._plan = lambda acceptance, current=None: plan_table(
+            costs, acceptance, streaming, max_gamma, self.context + self.generated,
+            max(self.new_tokens - self.generated, 0), current)
+        self.generated = 0
         self.table = self._plan(prior)
         self.first_table = self.table
         self.current: Prediction = self.table.best
@@ -175,6 +180,7 @@ class AutoProposer:
         self._step += 1
         self._recent.append((now - self._last, tokens))
         self._last = now
+        self.generated += tokens
         self.online.record(verdict, self.strategy, self._reused)
         if len(self._recent) < RECHECK_STEPS:
             return
@@ -184,7 +190,7 @@ class AutoProposer:
         expected = self.current.tokens_per_second * self.scale
         if measured >= (1.0 - SLACK) * expected:
             return
-        table = self._plan(self.online.acceptance(self.prior))
+        table = self._plan(self.online.acceptance(self.prior), self.strategy)
         best = table.best
         if best.strategy == self.strategy:
             self.scale = measured / max(self.current.tokens_per_second, 1e-9)  # slower machine, same choice

@@ -31,6 +31,11 @@ Step times (the paper's model, ALGORITHM.md, with the edge's contention terms an
 
 The draft in mirror runs under the target, so its cost shows up as contention, as the wait for an unfinished
 branch and as the miss term, not as gamma * draft1.
+
+Over one generation (``predict(..., context=P, new_tokens=N)``) a start-up cost is spread over its N / E[A + 1]
+steps: sd prefills the draft with the P context tokens in its first step (draft_prefill * P); mirror's worker does
+that during the target's own prefill, except when a generation switches to it mid-way (``switching=True``).
+Short answers on long prompts therefore favour ar.
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ class SplitCosts:
     c_target: float = 1.0
     c_draft: float = 1.0
     stream_window_s: tuple[float, ...] = ()  # [g - 1] -> a streaming draft's window of g tokens ((): none)
+    draft_prefill_s: float = 0.0  # the draft's prefill, per context token (sd pays it in its first step)
     label: str = ""  # the placement in words, e.g. "target cpu 2t, draft cpu 2t"
     name: str = ""  # a short name for the split in tables ("" = the thread split, e.g. "2+2")
 
@@ -160,11 +166,24 @@ def _window_s(costs: SplitCosts, gamma: int, streaming: bool) -> float:
     return gamma * costs.draft1_s
 
 
-def predict(costs: SplitCosts, strategy: Strategy, acceptance: Acceptance) -> Prediction:
-    """tokens/s of ``strategy``: E[A + 1] / step time."""
+def startup_s(costs: SplitCosts, strategy: Strategy, context: int, switching: bool = False) -> float:
+    """Seconds a generation of ``strategy`` spends once, outside its steady steps: the draft's prefill of
+    ``context`` tokens where it is not hidden under the target's prefill."""
+    if strategy.mode == "sd" or (strategy.mode == "mirror" and switching):
+        return costs.draft_prefill_s * context
+    return 0.0
+
+
+def predict(costs: SplitCosts, strategy: Strategy, acceptance: Acceptance, context: int = 0, new_tokens: int = 0,
+            switching: bool = False) -> Prediction:
+    """tokens/s of ``strategy``: E[A + 1] / step time; with ``new_tokens`` the start-up cost is spread over the
+    steps of a generation of that many tokens after a ``context``-token text."""
     strategy = replace(strategy, split=costs.split)
     tokens = 1.0 if strategy.mode == "ar" else expected_tokens(acceptance.alpha, strategy.gamma)
-    return Prediction(strategy, step_time(costs, strategy, acceptance), tokens)
+    step = step_time(costs, strategy, acceptance)
+    if new_tokens > 0:
+        step += startup_s(costs, strategy, context, switching) / max(new_tokens / tokens, 1.0)
+    return Prediction(strategy, step, tokens)
 
 
 @dataclass(frozen=True)
@@ -207,10 +226,15 @@ def candidates(costs: SplitCosts, gammas: tuple[int, ...] | None = None, streami
 
 
 def rank(splits: list[SplitCosts], acceptance: Acceptance, gammas: tuple[int, ...] | None = None,
-         streaming: bool = False) -> Table:
-    """Predict every candidate on every split; fastest first (ties keep the simpler strategy first: ar, then sd)."""
-    rows = [predict(c, s, acceptance) for c in splits for s in candidates(c, gammas, streaming and
-                                                                            bool(c.stream_window_s))]
+         streaming: bool = False, context: int = 0, new_tokens: int = 0, current: Strategy | None = None) -> Table:
+    """Predict every candidate on every split; fastest first (ties keep the simpler strategy first: ar, then sd).
+    With ``new_tokens``: for a generation of that many tokens after ``context`` tokens; ``current`` is the
+    strategy running now (a re-plan: any other one starts from scratch, the current one does not)."""
+    rows = []
+    for c in splits:
+        for s in candidates(c, gammas, streaming and bool(c.stream_window_s)):
+            running = current is not None and replace(s, split="") == replace(current, split="")
+            rows.append(predict(c, s, acceptance, 0 if running else context, new_tokens, current is not None))
     order = {m: i for i, m in enumerate(MODES)}
     rows.sort(key=lambda p: (-round(p.tokens_per_second, 9), order[p.strategy.mode], p.strategy.gamma))
     return Table(tuple(rows), acceptance)

@@ -206,13 +206,14 @@ class Pipeline:
     def _profile_costs(self):
         return self._profile.split(*self.threads)
 
-    def auto_proposer(self, config: GenerationConfig) -> AutoProposer:
-        """The proposer of mode auto: plans from the profile and the acceptance measured so far."""
+    def auto_proposer(self, config: GenerationConfig, prompt_tokens: int = 0) -> AutoProposer:
+        """The proposer of mode auto: plans from the profile and the acceptance measured so far, for a generation
+        of ``config.max_new_tokens`` after ``prompt_tokens``."""
         profile = self.profile()
         prior = self._acceptance or profile.acceptance
         streaming = config.streaming and self.streaming_draft is not None
         return AutoProposer(lambda strategy: self._proposer(self.concrete(config, strategy)), self._profile_costs(),
-                            prior, streaming)
+                            prior, streaming, context=prompt_tokens, new_tokens=config.max_new_tokens)
 
     @staticmethod
     def concrete(config: GenerationConfig, strategy: Strategy) -> GenerationConfig:
@@ -222,7 +223,7 @@ class Pipeline:
 
     def _generate(self, ids: list[int], config: GenerationConfig, on_text, sampling: SamplingParams
                   ) -> GenerationResult:
-        proposer = self.auto_proposer(config) if config.mode == AUTO else self._proposer(config)
+        proposer = self.auto_proposer(config, len(ids)) if config.mode == AUTO else self._proposer(config)
         gamma = proposer.costs.max_gamma if config.mode == AUTO else config.gamma
         settings = DecodeSettings(config.max_new_tokens, self.manifest.tokenizer.eos_token_ids, self.context_limit,
                                   0 if config.mode == "ar" else gamma, config.record_margins,

@@ -47,13 +47,13 @@ def measure_split(pipe, max_gamma: int = MAX_GAMMA, repeats: int = REPEATS, tick
     prompt = calibration_ids(pipe)
     branch_batch = GenerationConfig.branch_batch
     target = _target_costs(pipe, prompt, max_gamma, repeats, tick)
-    draft1, branch_fwd, stream = _draft_costs(pipe, prompt, max_gamma, branch_batch, repeats, tick)
+    draft1, branch_fwd, stream, prefill = _draft_costs(pipe, prompt, max_gamma, branch_batch, repeats, tick)
     c_target, c_draft = _contention(pipe, prompt, max_gamma, branch_batch, repeats, target, branch_fwd)
     tick()
     t_threads, d_threads = pipe.threads
     costs = SplitCosts(target_threads=t_threads, draft_threads=d_threads, verify_s=target["verify_s"],
                        exit_s=target["exit_s"], draft1_s=draft1, branch_fwd_s=branch_fwd, branch_batch=branch_batch,
-                       c_target=c_target, c_draft=c_draft, stream_window_s=stream,
+                       c_target=c_target, c_draft=c_draft, stream_window_s=stream, draft_prefill_s=prefill,
                        label=f"target {pipe.placements['prefix'].describe()} x{t_threads}, "
                              f"draft {pipe.placements['draft'].describe()} x{d_threads}")
     detail = {k: [round(x, 6) for x in v] for k, v in target.items() if k.endswith("_parts")}
@@ -115,8 +115,14 @@ def _branch_setup(pipe, prompt: list[int], gamma: int, batch_rows: int):
 
 def _draft_costs(pipe, prompt: list[int], gamma: int, batch_rows: int, repeats: int, tick):
     draft = pipe.draft
-    draft.reset(capacity=len(prompt) + 4 * gamma + 16)
-    fresh(draft, prompt, gamma)  # prefill + warm-up
+    prefills = []
+    for r in range(2):  # the draft's prefill of the whole prompt (sd pays it in its first step); warm-up first
+        draft.reset(capacity=len(prompt) + 4 * gamma + 16)
+        start = time.perf_counter()
+        draft.extend(prompt)
+        prefills.append((time.perf_counter() - start) / len(prompt))
+    prefill = prefills[-1]
+    fresh(draft, prompt, gamma)  # warm-up
     runs = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -147,7 +153,7 @@ def _draft_costs(pipe, prompt: list[int], gamma: int, batch_rows: int, repeats: 
                 runs.append(time.perf_counter() - start)
             times.append(_median(runs))
         stream = tuple(times)
-    return draft1, branch_fwd, stream
+    return draft1, branch_fwd, stream, prefill
 
 
 def _contention(pipe, prompt: list[int], gamma: int, batch_rows: int, repeats: int, target: dict,

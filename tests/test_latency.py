@@ -68,3 +68,26 @@ def test_rank_compares_thread_splits():
     table = rank([COSTS, one], Acceptance(alpha=0.0, reuse=0.0))
     assert table.best.strategy.name == "ar 2+2"
     assert table.best_of("ar", "1+1").tokens_per_second == pytest.approx(1 / 0.072)
+
+
+def test_startup_cost_is_spread_over_a_generation():
+    """sd prefills the draft with the context in its first step; over N tokens that costs prefill / (N / E[A+1])
+    per step. ar and (not switching) mirror pay nothing."""
+    costs = SplitCosts(**{**COSTS.__dict__, "draft_prefill_s": 0.005})
+    sd = predict(costs, Strategy("sd", 2), HALF, context=100, new_tokens=35)
+    steps = 35 / 1.75  # 20 steps of 1.75 tokens
+    assert sd.step_s == pytest.approx(2 * 0.012 + 0.041 + 0.5 / steps)
+    assert predict(costs, Strategy("ar"), HALF, context=100, new_tokens=35).step_s == pytest.approx(0.036)
+    mirror = predict(costs, Strategy("mirror", 2), HALF, context=100, new_tokens=35)
+    assert mirror.step_s == pytest.approx(step_time(costs, Strategy("mirror", 2), HALF))
+    switching = predict(costs, Strategy("mirror", 2), HALF, context=100, new_tokens=35, switching=True)
+    assert switching.step_s == pytest.approx(mirror.step_s + 0.5 / steps)
+    # a long prompt and a short answer: the draft's prefill makes sd slower than ar; a long answer amortizes it
+    short = rank([costs], Acceptance(alpha=0.8, reuse=0.0), context=2000, new_tokens=8)
+    assert short.best_of("sd").tokens_per_second < short.best_of("ar").tokens_per_second
+    long = rank([costs], Acceptance(alpha=0.8, reuse=0.0), context=2000, new_tokens=2000)
+    assert long.best_of("sd").tokens_per_second > long.best_of("ar").tokens_per_second
+    # the strategy already running pays no start-up again when re-planning
+    again = rank([costs], Acceptance(alpha=0.8, reuse=0.0), (2,), context=2000, new_tokens=8,
+                 current=Strategy("sd", 2))
+    assert again.best_of("sd").step_s == pytest.approx(step_time(costs, Strategy("sd", 2), HALF))
