@@ -1,7 +1,8 @@
 """Device profiles: what each graph costs on each device and thread split, as a small JSON file.
 
 A measured profile (``mirrorsd devices --profile --model EXPORT``, runtime/profiling.py) is cached per export and
-device set under ``<cache>/profiles/`` (``<cache>`` = ``$MIRRORSD_CACHE`` or ``~/.cache/mirrorsd``). A hand-written
+device set under ``<cache>/profiles/`` (``<cache>`` = ``$MIRRORSD_CACHE`` or ``~/.cache/mirrorsd``; or
+``$MIRRORSD_PROFILES``). A hand-written
 one describes a machine we do not have (docs/profiles/*.json, ``mirrorsd plan --profile FILE``). The schema is
 documented in docs/profile.md; loading rejects unknown keys and other schema versions.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -17,6 +19,7 @@ from mirrorsd.errors import ProfileError
 from mirrorsd.runtime.latency import Acceptance, SplitCosts
 
 SCHEMA = "mirrorsd-profile/1"
+CACHE_ENV = "MIRRORSD_PROFILES"  # a folder for cached profiles instead of <cache>/profiles (tests use a tmp one)
 KINDS = ("measured", "hand-written")
 
 
@@ -160,7 +163,8 @@ def cache_path(folder: Path, placement: dict[str, str]) -> Path:
     digest = hashlib.sha256((folder / MANIFEST_FILE).read_bytes())
     digest.update(json.dumps(sorted(placement.items())).encode())
     digest.update(str(folder).encode())
-    return default_cache_dir() / "profiles" / f"{folder.name}-{digest.hexdigest()[:16]}.json"
+    root = Path(os.environ[CACHE_ENV]).expanduser() if os.environ.get(CACHE_ENV) else default_cache_dir() / "profiles"
+    return root / f"{folder.name}-{digest.hexdigest()[:16]}.json"
 
 
 def now() -> str:

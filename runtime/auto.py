@@ -193,7 +193,7 @@ class AutoProposer:
         table = self._plan(self.online.acceptance(self.prior), self.strategy)
         best = table.best
         if best.strategy == self.strategy:
-            self.scale = measured / max(self.current.tokens_per_second, 1e-9)  # slower machine, same choice
+            self.scale = measured / max(best.tokens_per_second, 1e-9)  # a slower machine, the same choice
             self.table = table
             self.current = best
             return

@@ -203,6 +203,17 @@ class Pipeline:
             self._profile = profile_for(self, progress, refresh)
         return self._profile
 
+    def use_profile(self, profile) -> None:
+        """Plan mode auto from ``profile`` (a mirrorsd.profile.Profile holding a split with this pipeline's threads)
+        instead of the measured one: a what-if, or a test that fixes the costs and keeps the measured acceptance."""
+        if profile.split(*self.threads) is None:
+            from mirrorsd.errors import ProfileError
+
+            raise ProfileError("The profile has no split with this pipeline's threads",
+                               f"the pipeline runs {self.threads[0]}+{self.threads[1]} threads",
+                               "add that split, or load the pipeline with matching threads")
+        self._profile = profile
+
     def _profile_costs(self):
         return self._profile.split(*self.threads)
 

@@ -28,7 +28,8 @@ from mirrorsd.runtime.sampling import GREEDY
 from mirrorsd.runtime.verify import Branch, greedy_tokens
 
 MAX_GAMMA = 6  # widths 1 .. 7 are measured: auto picks gamma in 1 .. MAX_GAMMA
-REPEATS = 5
+REPEATS = 7
+TARGET_CONTEXT = 112  # cached tokens under the target's measured windows: a typical prompt plus part of its answer
 CALIBRATION_PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number, then explain how it works.",
     "Summarize in three sentences why the sky looks blue during the day and red at sunset.",
@@ -66,15 +67,18 @@ def _median(values) -> float:
 
 
 def _target_costs(pipe, prompt: list[int], max_gamma: int, repeats: int, tick) -> dict:
+    """Every width in each round (rounds interleave the widths, so drift in machine speed hits them alike), on a
+    cache of TARGET_CONTEXT tokens (a prompt plus part of its answer)."""
     target, timeline = pipe.target, pipe.target_timeline
-    target.reset(1, len(prompt) + max_gamma + 8)
-    target.extend(prompt)
+    context = (prompt * (TARGET_CONTEXT // len(prompt) + 1))[:max(TARGET_CONTEXT, len(prompt))]
+    target.reset(1, len(context) + max_gamma + 8)
+    target.extend(context)
     base = target.length
     window = (prompt * (max_gamma + 2))[: max_gamma + 1]
-    verify, exits, prefix, suffix, host = [], [], [], [], []
-    for w in range(1, max_gamma + 2):
-        walls, exit_runs, pre, suf = [], [], [], []
-        for r in range(repeats + 1):
+    widths = range(1, max_gamma + 2)
+    runs = {w: {"wall": [], "exit": [], "prefix": [], "suffix": []} for w in widths}
+    for r in range(repeats + 1):
+        for w in widths:
             for with_exit in (False, True):
                 timeline.clear()
                 start = time.perf_counter()
@@ -86,20 +90,19 @@ def _target_costs(pipe, prompt: list[int], max_gamma: int, repeats: int, tick) -
                     continue  # warm-up: a new shape may compile or allocate
                 spans = [e - s for s, e in timeline.intervals]
                 if with_exit:
-                    exit_runs.append(spans[1])
+                    runs[w]["exit"].append(spans[1])
                 else:
-                    walls.append(wall)
-                    pre.append(spans[0])
-                    suf.append(spans[-1])
-        verify.append(_median(walls))
-        exits.append(_median(exit_runs))
-        prefix.append(_median(pre))
-        suffix.append(_median(suf))
-        host.append(verify[-1] - prefix[-1] - suffix[-1])
+                    runs[w]["wall"].append(wall)
+                    runs[w]["prefix"].append(spans[0])
+                    runs[w]["suffix"].append(spans[-1])
         tick()
     timeline.clear()
-    return {"verify_s": tuple(verify), "exit_s": tuple(exits), "prefix_parts": prefix, "suffix_parts": suffix,
-            "host_parts": host}
+    verify = [_median(runs[w]["wall"]) for w in widths]
+    prefix = [_median(runs[w]["prefix"]) for w in widths]
+    suffix = [_median(runs[w]["suffix"]) for w in widths]
+    return {"verify_s": tuple(verify), "exit_s": tuple(_median(runs[w]["exit"]) for w in widths),
+            "prefix_parts": prefix, "suffix_parts": suffix,
+            "host_parts": [v - p - q for v, p, q in zip(verify, prefix, suffix)]}
 
 
 def _branch_setup(pipe, prompt: list[int], gamma: int, batch_rows: int):
@@ -246,7 +249,7 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
     need_acceptance = current.acceptance is None
     if not (need_split or need_acceptance):
         return current
-    bar = tqdm(total=(MAX_GAMMA + 4 if need_split else 0) + (4 if need_acceptance else 0), disable=not progress,
+    bar = tqdm(total=(REPEATS + 5 if need_split else 0) + (4 if need_acceptance else 0), disable=not progress,
                desc=f"profiling {pipe.threads[0]}+{pipe.threads[1]} threads", unit="step")
     try:
         if need_split:

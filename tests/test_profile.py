@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "profiles"
 
 @pytest.fixture(autouse=True)
 def profile_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MIRRORSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MIRRORSD_PROFILES", str(tmp_path / "profiles"))
 
 
 @pytest.mark.parametrize("name", ["lunar-lake-258v.json", "rtx4060-laptop-npu.json"])
@@ -73,9 +74,7 @@ def test_devices_profile_measures_caches_and_prints_the_table(exported, capsys):
     assert main(["devices", "--profile", "--model", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "PREDICTED" in out and "fastest:" in out
-    from mirrorsd.weights import default_cache_dir
-
-    files = list((default_cache_dir() / "profiles").glob("*.json"))
+    files = list(Path(os.environ["MIRRORSD_PROFILES"]).glob("*.json"))
     assert len(files) == 1  # one file per export and device set, every thread split inside
     profile = profiles.load(files[0])
     assert profile.kind == "measured" and profile.acceptance.source == "calibration"
