@@ -60,6 +60,8 @@ class SplitCosts:
     c_draft: float = 1.0
     stream_window_s: tuple[float, ...] = ()  # [g - 1] -> a streaming draft's window of g tokens ((): none)
     draft_prefill_s: float = 0.0  # the draft's prefill, per context token (sd pays it in its first step)
+    mirror_host_s: tuple[float, ...] = ()  # (with, without the exit head): Mirror-SD's per-step time beyond the
+    #                                        model (hand-offs, re-ranking), fitted on the calibration run; () = 0
     label: str = ""  # the placement in words, e.g. "target cpu 2t, draft cpu 2t"
     name: str = ""  # a short name for the split in tables ("" = the thread split, e.g. "2+2")
 
@@ -157,7 +159,8 @@ def mirror_step(costs: SplitCosts, gamma: int, exit_head: bool, reuse: float, wi
     first_batch = costs.c_draft * (costs.draft1_s + gamma * costs.branch_fwd_s)
     hit_wait = (first_batch - verify) / costs.c_draft if first_batch > verify else 0.5 * costs.branch_fwd_s
     miss_wait = 0.5 * costs.branch_fwd_s + window_s
-    return verify + reuse * hit_wait + (1.0 - reuse) * miss_wait
+    host = costs.mirror_host_s[0 if exit_head else 1] if len(costs.mirror_host_s) == 2 else 0.0
+    return verify + reuse * hit_wait + (1.0 - reuse) * miss_wait + host
 
 
 def _window_s(costs: SplitCosts, gamma: int, streaming: bool) -> float:

@@ -224,8 +224,23 @@ def calibrate(pipe, gamma: int = GenerationConfig.gamma, tokens: int = CALIBRATI
 
     acceptance = Acceptance(alpha_from_mean_accepted(mean, gamma), reuse(stats[True]), reuse(stats[False]),
                             "calibration")
+    steps = {e: (sum(s.seconds - s.time_to_first_token_s for s in runs) / max(sum(s.steps for s in runs), 1))
+             for e, runs in stats.items()}  # measured decode seconds per step, with / without the exit head
     return acceptance, {"gamma": gamma, "prompts": len(CALIBRATION_PROMPTS), "tokens": tokens,
-                        "mean_accepted_tokens": round(mean, 4)}
+                        "mean_accepted_tokens": round(mean, 4), "mirror_step_s": [steps[True], steps[False]]}
+
+
+def fit_mirror_host(costs: SplitCosts, acceptance: Acceptance, how: dict) -> SplitCosts:
+    """``costs`` with mirror_host_s fitted: the calibration's measured Mirror-SD step minus the model's (>= 0)."""
+    from dataclasses import replace
+
+    from mirrorsd.runtime.latency import mirror_step
+
+    gamma = how["gamma"]
+    extra = tuple(max(0.0, measured - mirror_step(costs, gamma, exit_head, acceptance.reuse_for(exit_head),
+                                                   gamma * costs.draft1_s))
+                  for measured, exit_head in zip(how["mirror_step_s"], (True, False)))
+    return replace(costs, mirror_host_s=extra)
 
 
 def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles.Profile:
@@ -258,6 +273,9 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
         if need_acceptance:
             acceptance, how = calibrate(pipe, tick=lambda: bar.update(1))
             current = profiles.Profile(**{**current.__dict__, "acceptance": acceptance, "calibration": how})
+            costs = current.split(*pipe.threads)  # the calibrated split: fit Mirror-SD's host time on it
+            index = current.splits.index(costs)
+            current = current.with_split(fit_mirror_host(costs, acceptance, how), current.detail[index])
     finally:
         bar.close()
     profiles.save(current, path)
