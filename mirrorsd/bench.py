@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mirrorsd import specbench
 from mirrorsd.errors import GenerationInputError
-from mirrorsd.runtime.config import MODES, GenerationConfig
+from mirrorsd.runtime.config import AUTO, MODES, GenerationConfig
 from mirrorsd.specbench import Question
 
 TIE_MARGIN = 1e-3  # same threshold as the tests' tie-aware oracle
@@ -25,7 +25,7 @@ class BenchOptions:
     """What ``mirrorsd bench`` runs; the generation settings default to GenerationConfig's."""
 
     model: Path
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = (*MODES, AUTO)
     questions: Path | None = None  # SpecBench question.jsonl (default: specbench.default_path())
     categories: tuple[str, ...] = ()  # default: specbench.DEFAULT_CATEGORIES
     per_category: int = 2  # the first N of each category (<= specbench.HOLDOUT: prompts no trainer trained on)
@@ -67,7 +67,7 @@ class BenchResult:
 
 
 VARIANTS = {  # bench mode name -> GenerationConfig fields
-    **{mode: {"mode": mode} for mode in MODES},
+    **{mode: {"mode": mode} for mode in (*MODES, AUTO)},  # auto: the mode the latency model picks (its why: stats)
     "mirror-noexit": {"mode": "mirror", "exit_head": False},  # draft runner-ups only: no exit-head pass
     "mirror-cap": {"mode": "mirror", "branch_budget": "cap"},  # every step rolls out all branches
     # more branches per step in wider batches (3 rows cost little more than 2 for a bandwidth-bound int4 draft)

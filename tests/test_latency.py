@@ -1,0 +1,93 @@
+"""The latency model's pure functions against cases computed by hand."""
+from __future__ import annotations
+
+import pytest
+
+from mirrorsd.runtime.latency import (Acceptance, SplitCosts, Strategy, alpha_from_mean_accepted, expected_tokens,
+                                      predict, rank, step_time)
+
+COSTS = SplitCosts(target_threads=2, draft_threads=2,
+                   verify_s=(0.036, 0.040, 0.041, 0.042, 0.0435), exit_s=(0.002, 0.002, 0.003, 0.003, 0.004),
+                   draft1_s=0.012, branch_fwd_s=0.014, branch_batch=2, c_target=1.5, c_draft=1.25)
+HALF = Acceptance(alpha=0.5, reuse=0.6, reuse_noexit=0.4)
+
+
+def test_expected_tokens_by_hand():
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)  # every draft token rejected: the correction only
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)  # 1 + 0.5
+    assert expected_tokens(0.5, 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0, rel=1e-2)  # capped just below 1: gamma + 1
+    assert expected_tokens(0.7, 0) == 1.0  # ar
+
+
+@pytest.mark.parametrize("mean,gamma", [(1.0, 4), (1.9375, 4), (3.0, 4), (2.5, 2), (5.0, 4)])
+def test_alpha_from_mean_accepted_inverts_expected_tokens(mean, gamma):
+    alpha = alpha_from_mean_accepted(mean, gamma)
+    assert expected_tokens(alpha, gamma) == pytest.approx(mean, abs=1e-2)
+    assert alpha_from_mean_accepted(1.9375, 4) == pytest.approx(0.5, abs=1e-6)
+
+
+def test_step_times_by_hand():
+    assert step_time(COSTS, Strategy("ar"), HALF) == pytest.approx(0.036)
+    # sd g4: 4 draft forwards, then one verification of 5 rows
+    assert step_time(COSTS, Strategy("sd", 4), HALF) == pytest.approx(4 * 0.012 + 0.0435)
+    # mirror g4, exit head: V = 1.5 * (43.5 + 4) = 71.25 ms; first batch F = 1.25 * (12 + 4 * 14) = 85 ms, still
+    # running at the verdict: a hit waits (85 - 71.25) / 1.25 = 11 ms; a miss waits 7 + 48 ms. reuse 0.6.
+    assert step_time(COSTS, Strategy("mirror", 4), HALF) == pytest.approx(
+        0.07125 + 0.6 * 0.011 + 0.4 * (0.007 + 0.048))
+    # without the exit head: V = 1.5 * 43.5 = 65.25 ms, hit wait (85 - 65.25) / 1.25 = 15.8 ms, reuse 0.4
+    assert step_time(COSTS, Strategy("mirror", 4, exit_head=False), HALF) == pytest.approx(
+        0.06525 + 0.4 * 0.0158 + 0.6 * 0.055)
+    # g1: F = 1.25 * (12 + 14) = 32.5 ms, done before V = 1.5 * (40 + 2) = 63 ms: a hit waits half a forward (7 ms)
+    assert step_time(COSTS, Strategy("mirror", 1), HALF) == pytest.approx(
+        0.063 + 0.6 * 0.007 + 0.4 * (0.007 + 0.012))
+
+
+def test_predict_tokens_per_second_by_hand():
+    sd = predict(COSTS, Strategy("sd", 2), HALF)
+    assert sd.tokens_per_step == pytest.approx(1.75)
+    assert sd.tokens_per_second == pytest.approx(1.75 / (2 * 0.012 + 0.041))
+    assert sd.strategy.split == "2+2"
+    assert predict(COSTS, Strategy("ar"), HALF).tokens_per_second == pytest.approx(1 / 0.036)
+
+
+def test_rank_picks_ar_for_a_useless_draft_and_speculation_for_a_perfect_one():
+    useless = rank([COSTS], Acceptance(alpha=0.0, reuse=0.0))
+    assert useless.best.strategy.mode == "ar"
+    perfect = rank([COSTS], Acceptance(alpha=1.0, reuse=1.0))
+    assert perfect.best.strategy.mode in ("sd", "mirror") and perfect.best.strategy.gamma == COSTS.max_gamma
+    # no contention and every window reused: mirror hides the draft entirely, so it beats sd at the same gamma
+    free = SplitCosts(**{**COSTS.__dict__, "c_target": 1.0, "c_draft": 1.0})
+    table = rank([free], Acceptance(alpha=0.8, reuse=1.0))
+    assert table.best_of("mirror").tokens_per_second > table.best_of("sd").tokens_per_second
+
+
+def test_rank_compares_thread_splits():
+    one = SplitCosts(**{**COSTS.__dict__, "target_threads": 1, "draft_threads": 1,
+                        "verify_s": tuple(2 * v for v in COSTS.verify_s), "c_target": 1.0, "c_draft": 1.0})
+    table = rank([COSTS, one], Acceptance(alpha=0.0, reuse=0.0))
+    assert table.best.strategy.name == "ar 2+2"
+    assert table.best_of("ar", "1+1").tokens_per_second == pytest.approx(1 / 0.072)
+
+
+def test_startup_cost_is_spread_over_a_generation():
+    """sd prefills the draft with the context in its first step; over N tokens that costs prefill / (N / E[A+1])
+    per step. ar and (not switching) mirror pay nothing."""
+    costs = SplitCosts(**{**COSTS.__dict__, "draft_prefill_s": 0.005})
+    sd = predict(costs, Strategy("sd", 2), HALF, context=100, new_tokens=35)
+    steps = 35 / 1.75  # 20 steps of 1.75 tokens
+    assert sd.step_s == pytest.approx(2 * 0.012 + 0.041 + 0.5 / steps)
+    assert predict(costs, Strategy("ar"), HALF, context=100, new_tokens=35).step_s == pytest.approx(0.036)
+    mirror = predict(costs, Strategy("mirror", 2), HALF, context=100, new_tokens=35)
+    assert mirror.step_s == pytest.approx(step_time(costs, Strategy("mirror", 2), HALF))
+    switching = predict(costs, Strategy("mirror", 2), HALF, context=100, new_tokens=35, switching=True)
+    assert switching.step_s == pytest.approx(mirror.step_s + 0.5 / steps)
+    # a long prompt and a short answer: the draft's prefill makes sd slower than ar; a long answer amortizes it
+    short = rank([costs], Acceptance(alpha=0.8, reuse=0.0), context=2000, new_tokens=8)
+    assert short.best_of("sd").tokens_per_second < short.best_of("ar").tokens_per_second
+    long = rank([costs], Acceptance(alpha=0.8, reuse=0.0), context=2000, new_tokens=2000)
+    assert long.best_of("sd").tokens_per_second > long.best_of("ar").tokens_per_second
+    # the strategy already running pays no start-up again when re-planning
+    again = rank([costs], Acceptance(alpha=0.8, reuse=0.0), (2,), context=2000, new_tokens=8,
+                 current=Strategy("sd", 2))
+    assert again.best_of("sd").step_s == pytest.approx(step_time(costs, Strategy("sd", 2), HALF))

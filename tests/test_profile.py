@@ -1,0 +1,87 @@
+"""Device profiles: the JSON schema (strict), the cache, `mirrorsd devices --profile` and `mirrorsd plan`."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from mirrorsd import profile as profiles
+from mirrorsd.errors import ProfileError
+from mirrorsd.runtime.latency import Strategy, predict
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "profiles"
+
+
+@pytest.fixture(autouse=True)
+def profile_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIRRORSD_PROFILES", str(tmp_path / "profiles"))
+
+
+@pytest.mark.parametrize("name", ["lunar-lake-258v.json", "rtx4060-laptop-npu.json"])
+def test_example_profiles_load_and_cite_their_sources(name):
+    profile = profiles.load(DOCS / name)
+    assert profile.kind == "hand-written" and profile.sources and profile.notes
+    assert profile.acceptance is not None
+
+
+def test_lunar_lake_profile_reproduces_the_published_serial_runs():
+    """The hand-written profile's serial predictions stay within 15 % of the published OpenVINO runs."""
+    profile = profiles.load(DOCS / "lunar-lake-258v.json")
+    by_name = {s.name: s for s in profile.splits}
+    published = [("gpu+npu", 1, 9.0), ("gpu+npu", 3, 7.1), ("gpu+npu", 5, 6.7), ("gpu+cpu", 3, 16.5)]
+    for split, gamma, tok_s in published:
+        got = predict(by_name[split], Strategy("sd", gamma), profile.acceptance).tokens_per_second
+        assert abs(got - tok_s) / tok_s <= 0.15, (split, gamma, got, tok_s)
+    assert predict(by_name["gpu+npu"], Strategy("ar"), profile.acceptance).tokens_per_second == pytest.approx(
+        12.2, rel=0.01)
+
+
+def test_profile_json_is_strict():
+    good = json.loads((DOCS / "rtx4060-laptop-npu.json").read_text())
+    assert profiles.from_json(good).splits[0].name == "cuda+npu"
+    with pytest.raises(ProfileError, match="schema"):
+        profiles.from_json({**good, "schema": "mirrorsd-profile/0"})
+    with pytest.raises(ProfileError, match="unknown keys"):
+        profiles.from_json({**good, "speed": 3})
+    split = dict(good["splits"][0])
+    with pytest.raises(ProfileError, match="unknown keys"):
+        profiles.from_json({**good, "splits": [{**split, "gpu": 1}]})
+    with pytest.raises(ProfileError, match="contention"):
+        profiles.from_json({**good, "splits": [{**split, "c_target": 0.5}]})
+    with pytest.raises(ProfileError, match="one entry per window width"):
+        profiles.from_json({**good, "splits": [{**split, "exit_s": [0.01]}]})
+    with pytest.raises(ProfileError, match="incomplete"):
+        profiles.from_json({**good, "splits": [{k: v for k, v in split.items() if k != "draft1_s"}]})
+
+
+def test_plan_command_prints_predictions(capsys):
+    from mirrorsd.cli import main
+
+    assert main(["plan", "--profile", str(DOCS / "rtx4060-laptop-npu.json")]) == 0
+    out = capsys.readouterr().out
+    assert "PREDICTED" in out and "cuda+npu" in out
+    assert "fastest: mirror" in out  # a slow NPU draft beside a slow target: the draft hides under the target
+    assert main(["plan", "--profile", str(DOCS / "lunar-lake-258v.json"), "--alpha", "0.0"]) == 0
+    assert "fastest: ar" in capsys.readouterr().out
+
+
+def test_devices_profile_measures_caches_and_prints_the_table(exported, capsys):
+    from mirrorsd.cli import main
+
+    folder = exported("llama", draft_layers=4)
+    assert main(["devices", "--profile", "--model", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "PREDICTED" in out and "fastest:" in out
+    files = list(Path(os.environ["MIRRORSD_PROFILES"]).glob("*.json"))
+    assert len(files) == 1  # one file per export and device set, every thread split inside
+    profile = profiles.load(files[0])
+    assert profile.kind == "measured" and profile.acceptance.source == "calibration"
+    splits = {s.split for s in profile.splits}
+    assert "1+1" in splits
+    for s in profile.splits:
+        assert len(s.verify_s) == len(s.exit_s) == 7 and all(t > 0 for t in s.verify_s)
+        assert s.draft1_s > 0 and s.branch_fwd_s > 0 and s.c_target >= 1 and s.c_draft >= 1
+    assert main(["devices", "--model", str(folder), "--threads", "1"]) == 0  # read back, nothing measured
+    assert "PREDICTED" in capsys.readouterr().out
