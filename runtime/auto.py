@@ -18,8 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mirrorsd.runtime.latency import (Acceptance, Prediction, SplitCosts, Strategy, Table,
-                                      alpha_from_mean_accepted, rank)
+from mirrorsd.runtime.latency import Acceptance, Prediction, SplitCosts, Strategy, Table, rank
 from mirrorsd.runtime.rollout import Window
 from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.verify import Verdict
@@ -154,7 +153,7 @@ class AutoProposer:
         if self._pending is not None:
             self._switch(committed)
         g = min(gamma, self.strategy.gamma)
-        window = self.inner.propose(committed, g) if g > 0 else Window.empty()
+        window = self.inner.propose(committed, g) if g > 0 else Window.empty(target_only=True)
         self._reused = bool(window.reused)
         return window
 

@@ -69,9 +69,9 @@ def decode(target: TargetModel, proposer: Proposer, prompt: list[int], settings:
             logits = target.extend([committed[-1], *window.tolist()], proposer.exit_callback() if gamma else None)
             probs = None if proposal.probs is None else proposal.probs[:gamma]
             verdict = sampler.verify(window, probs, logits, committed)
-            # a proposer may draft no window although gamma > 0 (mode auto running ar): a target-only step
-            counters.record(len(window), verdict.accepted, proposal.reused if len(window) else None,
-                            proposal.forwards)
+            # mode auto running ar drafts no window although gamma > 0: a target-only step, not a fallback
+            counters.record(len(window), verdict.accepted,
+                            None if not gamma or proposal.target_only else proposal.reused, proposal.forwards)
             new = [*window[: verdict.accepted].tolist(), verdict.correction]
             done = _commit(new, committed, outcome, settings, emit,
                            logits[: verdict.accepted + 1] if settings.record_margins else None)

@@ -60,11 +60,13 @@ class Window:
     forwards: int = 0  # draft forwards it took; handed to the decode loop: forwards since the previous verdict
     reused: bool = False  # a branch rolled out before the verdict (Mirror-SD)
     kv: RowSlots | None = None  # branch rows: their KV, for adoption
+    target_only: bool = False  # a step the strategy decodes without a draft (mode auto running ar): no window
 
     @classmethod
-    def empty(cls) -> "Window":
-        """No window (target-only decoding)."""
-        return cls(np.zeros(0, np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32))
+    def empty(cls, target_only: bool = False) -> "Window":
+        """No window: target-only decoding, or a speculative step whose draft failed (counted as a fallback)."""
+        return cls(np.zeros(0, np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32),
+                   target_only=target_only)
 
     def cut(self, g: int) -> "Window":
         """The first ``g`` tokens (a shorter window near the token budget)."""
