@@ -16,9 +16,9 @@ from mirrorsd import names
 from mirrorsd.manifest import load_manifest
 from mirrorsd.runtime import GenerationConfig
 from mirrorsd.runtime.verify import candidate_logprobs, exit_candidates, rank_branches
+from tiny_models import write_questions
 
 PROMPTS = [[1, 17, 42, 99, 7], [1, 250, 3, 3, 3, 100, 200, 12, 8, 60, 61, 62], [5], list(range(20, 60))]
-WORDS = "def add return quick brown fox import numpy range print hello mirror decoding draft target".split()
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
@@ -147,11 +147,7 @@ def test_candidate_logprobs_and_ranking_skip_missing_candidates():
 
 @pytest.fixture(scope="module")
 def questions(tmp_path_factory) -> Path:
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("questions") / "question.jsonl"
-    rows = [{"question_id": i, "category": "abc"[i % 3], "turns": [" ".join(rng.choice(WORDS, 6))]} for i in range(24)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_questions(tmp_path_factory.mktemp("questions"), 24)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ Two streaming drafts, both trained here in seconds:
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +16,10 @@ import torch
 
 from mirrorsd.errors import ModelSourceError, OutputFolderError
 from mirrorsd.runtime import GenerationConfig
+from tiny_models import write_questions
 
 CYCLE = [100, 140, 180, 220, 260]
 PROMPTS = [[1, 17, 42, 99, 7], [1, 250, 3, 3, 3, 100, 200, 12, 8, 60, 61, 62], [1, 300, 2], list(range(20, 60))]
-WORDS = "def add return quick brown fox import numpy range print hello mirror decoding draft target".split()
 NEW = 32
 
 
@@ -58,11 +57,7 @@ def build_cyclic_target(folder: Path, steps: int = 100, seed: int = 5) -> Path:
 
 @pytest.fixture(scope="module")
 def questions(tmp_path_factory) -> Path:
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("questions") / "question.jsonl"
-    rows = [{"question_id": i, "category": "abc"[i % 3], "turns": [" ".join(rng.choice(WORDS, 6))]} for i in range(36)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_questions(tmp_path_factory.mktemp("questions"), 36)
 
 
 def train_options(draft, target, output, questions, **kw):

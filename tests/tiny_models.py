@@ -70,3 +70,20 @@ def build_model(folder: Path, model_type: str = "llama", layers: int = 4, seed: 
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+QUESTION_WORDS = "def add return quick brown fox import numpy range print hello mirror decoding draft target".split()
+
+
+def write_questions(folder: Path, count: int) -> Path:
+    """A SpecBench-shaped question.jsonl of ``count`` random six-word questions in three categories (for trainers)."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    path = folder / "question.jsonl"
+    rows = [{"question_id": i, "category": "abc"[i % 3], "turns": [" ".join(rng.choice(QUESTION_WORDS, 6))]}
+            for i in range(count)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
