@@ -3,6 +3,8 @@
     run_command(body, interrupted)   MirrorSDError -> "error: ..." (its exit code); Ctrl-C -> 130; SIGTERM -> 143
                                      (raised as Terminated, a KeyboardInterrupt, so the same cleanup runs: scratch
                                      folders are removed); stdout closed by its reader (`| head`) -> a quiet 0
+    raise_if_terminated()            raise Terminated if SIGTERM arrived, even when a library swallowed the first
+                                     raise (numpy's lazy imports do): called before anything is published
     write_stdout(text)               print to stdout; a full disk or a broken device is an OutputStreamError
 """
 from __future__ import annotations
@@ -31,6 +33,13 @@ def _on_sigterm(signum, frame) -> None:
     raise Terminated()
 
 
+def raise_if_terminated() -> None:
+    """The handler's raise can land inside library code that swallows it (a Cython module's import does): the flag
+    it set is what decides whether the run was terminated."""
+    if _terminated.is_set():
+        raise Terminated()
+
+
 def run_command(body: Callable[[], int], interrupted: str = "interrupted") -> int:
     """Run a command's body and turn every way it can end into an exit code (see the module doc)."""
     previous = None
@@ -39,6 +48,7 @@ def run_command(body: Callable[[], int], interrupted: str = "interrupted") -> in
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         code = body()
+        raise_if_terminated()
         write_stdout("")  # flush now: a write error surfaces here, not in the interpreter's exit
         return code
     except BaseException as exc:  # noqa: BLE001 - every ending is mapped below; anything else is re-raised

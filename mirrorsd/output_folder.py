@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mirrorsd.cli_exit import raise_if_terminated
 from mirrorsd.errors import OutputFolderError
 
 
@@ -171,6 +172,7 @@ def write_error(output: Path, exc: OSError, kept: Path | None = None) -> OutputF
 
 def publish(scratch: Path, output: Path) -> None:
     """Rename the finished scratch folder into place; a replaced folder is removed only after the swap."""
+    raise_if_terminated()  # a SIGTERM that a library swallowed still stops the run before anything is published
     os.chmod(scratch, _mkdir_mode(scratch))  # mkdtemp's folder is private (0700); publish it as mkdir would
     old = None
     if output.exists():
