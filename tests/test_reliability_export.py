@@ -250,36 +250,42 @@ def test_large_graph_layout_is_readable_and_loads(tiny_model, out, monkeypatch, 
     assert pipelines(out).generate(prompt, config).tokens == pipelines(inline).generate(prompt, config).tokens
 
 
-def _swallowed_sigterm() -> None:
-    """What numpy's lazy `import numpy.random` did in CI: the handler's raise landed in a Cython module's import
-    and never reached mirrorsd."""
+
+# What numpy's lazy `import numpy.random` did in CI: the handler's raise landed in a Cython module's import and never
+# reached mirrorsd. Run in a child process: a real SIGTERM, away from the threads earlier tests left in this one.
+SWALLOWED_SIGTERM = """
+import os, signal, sys
+from pathlib import Path
+from mirrorsd.cli_exit import run_command
+from mirrorsd.output_folder import staged
+
+def swallowed():
     try:
         os.kill(os.getpid(), signal.SIGTERM)
-    except BaseException:  # noqa: BLE001 - the library's swallowing, reproduced
+    except BaseException:
         pass
 
+def body():
+    if len(sys.argv) > 1:
+        with staged(Path(sys.argv[1])) as scratch:
+            (scratch / "file").write_text("work")
+            swallowed()
+    else:
+        swallowed()
+    return 0
 
-def test_swallowed_sigterm_still_ends_the_command_as_terminated(capsys):
-    from mirrorsd.cli_exit import SIGTERM_EXIT, run_command
-
-    def body() -> int:
-        _swallowed_sigterm()
-        return 0
-
-    assert run_command(body) == SIGTERM_EXIT
-    assert "terminated" in capsys.readouterr().err
+sys.exit(run_command(body))
+"""
 
 
-def test_swallowed_sigterm_publishes_nothing(tmp_path):
-    from mirrorsd.cli_exit import SIGTERM_EXIT, run_command
+@pytest.mark.parametrize("publishes", [False, True], ids=["plain", "staged-folder"])
+def test_swallowed_sigterm_still_ends_the_command_as_terminated(tmp_path, publishes):
+    from mirrorsd.cli_exit import SIGTERM_EXIT
 
     target = tmp_path / "out"
-
-    def body() -> int:
-        with output_folder.staged(target) as scratch:
-            (scratch / "file").write_text("work")
-            _swallowed_sigterm()
-        return 0
-
-    assert run_command(body) == SIGTERM_EXIT
-    assert not target.exists() and list(tmp_path.iterdir()) == []
+    args = [str(target)] if publishes else []
+    done = subprocess.run([sys.executable, "-c", SWALLOWED_SIGTERM, *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == SIGTERM_EXIT, done.stderr
+    assert "terminated" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing published, no scratch folder left
