@@ -14,7 +14,7 @@ import os
 from catalogue import Case, Run
 from catalogue_fixtures import (
     NESTED_LOOPS, QUIET_LOOPS, DOUBLING, edit_manifest, edit_config, poison_suffix, external_data_outside,
-    unwritable, export_run, quantize_run, generate_run, bench_run, train_run, python_run, not_suggesting_the_model,
+    unwritable, export_run, quantize_run, generate_run, bench_run, train_run, train_exit_run, python_run, not_suggesting_the_model,
     manifest_says, at_most_one_info_line, outside_copy_absent)
 
 
@@ -109,6 +109,31 @@ def _(w):
     return train_run(w, ".", draft="draft", protect=["."])
 
 
+@case("train-exit-output-is-model", "19.1", "train-exit --output MODEL --force")
+def _(w):
+    return train_exit_run(w, "export", "--force")
+
+
+@case("train-exit-output-dot", "19.1", "train-exit --output . --force")
+def _(w):
+    w.file("keep.txt")
+    return train_exit_run(w, ".", "--force", protect=["keep.txt"])
+
+
+@case("train-exit-output-user-folder", "19.1", "train-exit --output FOLDER --force, FOLDER not an export")
+def _(w):
+    w.file("stuff/notes.txt")
+    return train_exit_run(w, "stuff", "--force", protect=["stuff"])
+
+
+@case("train-exit-force-replaces-its-export", "19.1", "train-exit --output OLD_EXPORT --force", exit="ok",
+      check=lambda w, outcome: "" if '"exit_adapter"' in (w.root / "old" / "mirrorsd.json").read_text()
+      else "old/ was not replaced by the trained export")
+def _(w):
+    w.copy("export", "old")
+    return train_exit_run(w, "old", "--force", "--no-progress")
+
+
 @case("bench-output-is-model", "19.1", "bench --output MODEL (the export folder)")
 def _(w):
     return bench_run(w, output="export")
@@ -145,6 +170,13 @@ def _(w):
     w.copy("export", "export")
     run = quantize_run(w, "export", "q")
     run.terminate_when = "glob:.q.partial-*"
+    return run
+
+
+@case("train-exit-sigterm", "19.6", "SIGTERM during train-exit", exit="terminated")
+def _(w):
+    run = train_exit_run(w, "out")
+    run.terminate_when = "glob:.out.partial-*"
     return run
 
 

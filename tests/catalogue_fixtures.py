@@ -143,6 +143,18 @@ def train_run(w: Workspace, output: str, draft: str = "D/draft", protect=()) -> 
                protect=[w.root / p for p in protect])
 
 
+def train_exit_run(w: Workspace, output: str, *extra: str, protect=()) -> Run:
+    """mirrorsd-train-exit on the export fixture, small enough to finish in seconds (12 questions, rank 4)."""
+    from tiny_models import write_questions as trainer_questions
+
+    w.copy("export", "export")
+    trainer_questions(w.root, 12)
+    return Run(["mirrorsd-train-exit", "--model", "export", "--output", output, "--prompts", "question.jsonl",
+                "--train-prompts", "6", "--eval-prompts", "3", "--holdout", "1", "--max-new-tokens", "6",
+                "--rank", "4", "--epochs", "1", "--threads", "1", *extra], w.root,
+               protect=[w.root / "export", *(w.root / p for p in protect)], limit_s=90)
+
+
 def python_run(w: Workspace, code: str) -> Run:
     w.copy("export", "export")
     return Run(["python", "-c", code], w.root)

@@ -1,8 +1,10 @@
 """``mirrorsd-train-exit``: fit the exit adapter on an export's own target and write a new export folder.
 
-    1. copy       every file of --model into --output except exit_head.onnx and mirrorsd.json
+    1. copy       every file of --model into a scratch folder beside --output (mirrorsd/output_folder.py: the same
+                  rules as an export; published by rename only when everything below passed) except exit_head.onnx
+                  and mirrorsd.json
     2. data       the target's greedy answers to SpecBench training / held-out questions (features.py), cached in
-                  OUTPUT/exit_training/
+                  OUTPUT/exit_training/ (a --force re-run into the same --output starts from that cache)
     3. features   one target pass per answer: x = the exit head's LM-head input at the exit layer, label = the
                   target's greedy token; W, b = the exit head's own LM head (graph.head_weight)
     4. fit        adapter.fit: cross-entropy on the training rows; hit rates on the held-out rows before and after
@@ -20,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from mirrorsd import names
-from mirrorsd.errors import ExportOptionError, ValidationError
+from mirrorsd.errors import ValidationError
 from mirrorsd.export.early_exit.options import ExitTrainOptions
 from mirrorsd.manifest import ExitAdapterInfo, GraphSpec, Manifest, TensorSpec, load_manifest
 
@@ -40,6 +42,20 @@ class ExitTrainResult:
 
 
 def train(options: ExitTrainOptions, log=print) -> ExitTrainResult:
+    """Train the exit of ``options.model`` into a new export folder ``options.output`` (see the module doc)."""
+    from mirrorsd.output_folder import EXPORT, StagedFolder, check_output
+
+    source = Path(options.model).expanduser().resolve()
+    manifest = load_manifest(source)
+    output = check_output(options.output, [source], options.force, EXPORT)
+    with StagedFolder(output) as stage:
+        result = _train_into(stage.path, source, manifest, options, output, log)
+        stage.publish()
+    return replace(result, folder=output)
+
+
+def _train_into(stage: Path, source: Path, manifest: Manifest, options: ExitTrainOptions, output: Path,
+                log) -> ExitTrainResult:
     import onnx
     import onnxruntime as ort
     import torch
@@ -49,9 +65,6 @@ def train(options: ExitTrainOptions, log=print) -> ExitTrainResult:
     from mirrorsd.export.early_exit.adapter import FitOptions, fit
     from mirrorsd.export.streaming.data import ExportTarget, pick
 
-    source, output = Path(options.model).expanduser().resolve(), Path(options.output).expanduser().resolve()
-    manifest = load_manifest(source)
-    _prepare_output(source, output, options.force)
     if options.threads:
         torch.set_num_threads(options.threads)
     exit_spec = manifest.graph(names.EXIT_HEAD)
@@ -62,7 +75,8 @@ def train(options: ExitTrainOptions, log=print) -> ExitTrainResult:
     questions = specbench.read(options.prompts, "--prompts")
     train_q, held_q = specbench.held_out(questions, options.holdout)
     train_q, held_q = pick(train_q, options.train_prompts, options.seed), pick(held_q, options.eval_prompts, options.seed)
-    data = output / DATA_DIR
+    _copy_source(source, stage, previous=output)  # after every input was read: a bad one fails before the copy
+    data = stage / DATA_DIR
     data.mkdir(exist_ok=True)
     target = ExportTarget(source, options.max_new_tokens, options.threads)
     try:
@@ -90,40 +104,37 @@ def train(options: ExitTrainOptions, log=print) -> ExitTrainResult:
     graphs[names.EXIT_HEAD] = replace(exit_spec, validation={
         **exit_spec.validation, "exit_adapter_topk_logprobs": _check_adapted(adapted, result.adapter, sets["eval"],
                                                                              w, b, manifest.top_k, tolerance)})
-    onnx.save(adapted, str(output / exit_spec.file))
+    onnx.save(adapted, str(stage / exit_spec.file))
     if options.sparse:
         rows_dtype = np.float32 if fp32 else SPARSE_ROWS
         sparse = graph.sparse_head(adapted, weight, bias, rows_dtype)
         spec = _sparse_spec(manifest)
         graphs[names.EXIT_SPARSE] = replace(spec, validation={"exit_sparse_logits": _check_sparse(
             sparse, result.adapter, sets["eval"], w, b, tolerance)})
-        onnx.save(sparse, str(output / spec.file))
+        onnx.save(sparse, str(stage / spec.file))
     info = ExitAdapterInfo(options.rank, len(sets["train"].labels), result.after.rows, _scores(result.before),
                            _scores(result.after), len(result.history), round(result.seconds, 1))
     new = replace(manifest, graphs=graphs, exit_adapter=info)
-    new.save(output)
-    load_manifest(output)  # what the runtime will read back
-    return ExitTrainResult(output, new, info)
+    new.save(stage)
+    load_manifest(stage)  # what the runtime will read back
+    return ExitTrainResult(stage, new, info)
 
 
-def _prepare_output(source: Path, output: Path, force: bool) -> None:
-    if output == source or source in output.parents:
-        raise ExportOptionError(f"--output {output} is the source export or inside it",
-                                "the source folder is only read", "pass a new folder")
-    if (output / names.MANIFEST_FILE).is_file() and not force:
-        raise ExportOptionError(f"--output {output} already holds an export", "it would be replaced",
-                                "pass --force, or another folder")
-    output.mkdir(parents=True, exist_ok=True)
+def _copy_source(source: Path, stage: Path, previous: Path) -> None:
+    """Every file of the source export except its manifest and exit head (rewritten here) and its own training data;
+    the target answers cached by an earlier run into the same output (``previous``, replaced with --force) come
+    along, so a re-run does not generate them again."""
     for path in source.rglob("*"):
         rel = path.relative_to(source)
         if path.is_dir() or rel.parts[0] == DATA_DIR or str(rel) in (names.MANIFEST_FILE,
                                                                     names.graph_file(names.EXIT_HEAD)):
             continue
-        dest = output / rel
+        dest = stage / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if not dest.exists() or dest.stat().st_size != path.stat().st_size:
-            shutil.copy2(path, dest)
-    (output / names.MANIFEST_FILE).unlink(missing_ok=True)  # the folder is an export again only when complete
+        shutil.copy2(path, dest)
+    cached = previous / DATA_DIR
+    if cached.is_dir() and not cached.is_symlink():
+        shutil.copytree(cached, stage / DATA_DIR, symlinks=True)
 
 
 def _sparse_spec(manifest: Manifest) -> GraphSpec:
