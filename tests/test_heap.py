@@ -18,31 +18,30 @@ needs_openvino = pytest.mark.skipif(probe().openvino_version is None, reason="th
 
 @needs_glibc
 def test_trim_releases_free_chunks_that_free_kept_resident():
-    """64 KiB chunks, each followed by a small live one so that they neither merge nor sit at the top of the heap:
-    freeing them leaves their 128 MiB resident, and malloc_trim(0) gives it back."""
+    """2048 touched 64 KiB chunks, every other one freed: the live ones keep the freed ones from merging or reaching
+    the top of the heap (where free would return them), so their 64 MiB stay resident until malloc_trim(0)."""
     import psutil
 
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     rss = psutil.Process().memory_info
-    big, pins = [], []
+    chunks = []
     try:
         for _ in range(2048):
-            big.append(libc.malloc(64 * 1024))  # below the mmap threshold: from the heap
-            ctypes.memset(big[-1], 1, 64 * 1024)  # touched: resident
-            pins.append(libc.malloc(32))
+            chunks.append(libc.malloc(64 * 1024))  # below the mmap threshold: from the heap
+            ctypes.memset(chunks[-1], 1, 64 * 1024)  # touched: resident
         before = rss().rss
-        for pointer in big:
+        for pointer in chunks[0::2]:  # the last one (odd index) stays: the heap's top is live
             libc.free(pointer)
-        big.clear()
+        chunks = chunks[1::2]
         freed = rss().rss
-        assert before - freed < 32 * MiB, "free gave the pages back by itself: the premise of devices/heap.py is gone"
+        assert before - freed < 16 * MiB, "free gave the pages back by itself: the premise of devices/heap.py is gone"
         assert trim_heap()
         trimmed = rss().rss
-        assert freed - trimmed > 100 * MiB, (before / MiB, freed / MiB, trimmed / MiB)
+        assert freed - trimmed > 48 * MiB, (before / MiB, freed / MiB, trimmed / MiB)
     finally:
-        for pointer in big + pins:
+        for pointer in chunks:
             libc.free(pointer)
 
 
