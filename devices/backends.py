@@ -24,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
+from mirrorsd.devices.heap import HeapTrimmer
 from mirrorsd.errors import DeviceError, GraphFileError
 
 
@@ -226,6 +227,8 @@ class OpenVINOSession:
         self._variants: dict[tuple, tuple] = {}  # input shapes -> (compiled model, request, output names)
         self._lock = threading.Lock()
         self.effective = settings.device
+        # a new input shape every step makes the CPU plugin reallocate its buffers: give the freed pages back
+        self.heap = HeapTrimmer() if self.tuned else None  # (devices/heap.py says why and what it measured)
         if not settings.fixed_shapes:
             self._variants[()] = self._compile(self.model)
             if self.stateful and self.rewrites.get("fused_attention", 0) > _cached_attention(self._variants[()][0]):
@@ -321,7 +324,10 @@ class OpenVINOSession:
             result = request.infer(feeds, share_inputs=True, share_outputs=False)
             if self.stateful:
                 self.state_length += first.shape[1]
-            return {name: result[i] for i, name in enumerate(outputs)}
+            outs = {name: result[i] for i, name in enumerate(outputs)}
+            if self.heap is not None:
+                self.heap.after_call()
+            return outs
 
     def input_names(self) -> list[str]:
         return list(self._inputs)
