@@ -85,3 +85,68 @@ def test_devices_profile_measures_caches_and_prints_the_table(exported, capsys):
         assert s.draft1_s > 0 and s.branch_fwd_s > 0 and s.c_target >= 1 and s.c_draft >= 1
     assert main(["devices", "--model", str(folder), "--threads", "1"]) == 0  # read back, nothing measured
     assert "PREDICTED" in capsys.readouterr().out
+
+
+def with_sparse_exit(folder: Path, out: Path) -> Path:
+    """A copy of export ``folder`` with an (untrained) sparse exit head beside its full one, as mirrorsd-train-exit
+    writes it."""
+    import shutil
+    from dataclasses import replace as dc_replace
+
+    import onnx
+
+    from mirrorsd import names
+    from mirrorsd.export.early_exit import graph
+    from mirrorsd.export.early_exit.train import _sparse_spec
+    from mirrorsd.manifest import load_manifest
+
+    shutil.copytree(folder, out)
+    manifest = load_manifest(out)
+    head = onnx.load(str(out / manifest.graph(names.EXIT_HEAD).file))
+    weight, bias = graph.head_weight(head, manifest.target.hidden_size)
+    spec = _sparse_spec(manifest)
+    onnx.save(graph.sparse_head(head, weight, bias), str(out / spec.file))
+    dc_replace(manifest, graphs={**manifest.graphs, names.EXIT_SPARSE: spec}).save(out)
+    return out
+
+
+def test_profile_times_the_sparse_exit_head_when_the_folder_has_one(exported, tmp_path):
+    """Mirror-SD runs the sparse exit head where the folder has one: the profile's exit_s is that head's time (its
+    session ran during the measurement), and the full head's time is kept beside it in the detail."""
+    from mirrorsd import names
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime.profiling import measure_split
+
+    folder = with_sparse_exit(exported("llama", draft_layers=4), tmp_path / "sparse")
+    with Pipeline.load(folder, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
+        assert pipe.target.exit_sparse is not None
+        sparse_runs = pipe.sessions[names.EXIT_SPARSE].timeline  # shared with the target's other graphs
+        full = pipe.sessions[names.EXIT_HEAD]
+        calls = {"sparse": 0, "full": 0}
+        for key, session in (("sparse", pipe.sessions[names.EXIT_SPARSE]), ("full", full)):
+            run = session.run
+
+            def counted(feeds, run=run, key=key):
+                calls[key] += 1
+                return run(feeds)
+
+            session.run = counted
+        costs, detail = measure_split(pipe, max_gamma=2, repeats=2)
+        assert sparse_runs is pipe.target_timeline
+    assert detail["exit_head"] == "sparse" and "sparse exit head" in costs.label
+    assert len(detail["exit_full_s"]) == len(costs.exit_s) == 3
+    widths, rounds = 3, 2 + 1  # warm-up included
+    assert calls["sparse"] >= widths * rounds  # exit_s: the sparse head, at every width
+    assert calls["full"] == widths * rounds  # the full head only for the detail's exit_full_s
+    assert detail["exit_layer"] == pipe.manifest.exit_layer and detail["layers"] == 4
+
+
+def test_profile_without_a_sparse_head_times_the_full_one(exported):
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime.profiling import measure_split
+
+    with Pipeline.load(exported("llama", draft_layers=4), DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
+        costs, detail = measure_split(pipe, max_gamma=2, repeats=1)
+    assert detail["exit_head"] == "full" and "exit_full_s" not in detail and "full exit head" in costs.label
