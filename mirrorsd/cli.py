@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(gen, G, "streaming", "--no-streaming",
               help="sd/mirror: draft with the plain draft even when the export has a streaming draft "
                    "(draft_streaming.onnx, from mirrorsd-train-draft)")
-    gen.add_argument("--threads", type=int, help="intra-op threads per session (default: every core; ar and sd never run two sessions at once)")
+    gen.add_argument("--threads", type=int, help="intra-op threads per session (default: every core; ar and sd never run two sessions at once; --mode auto takes the split its cached profile predicts fastest)")
     gen.add_argument("--json", action="store_true", help="print token ids, text and statistics as JSON")
     samp = gen.add_argument_group(
         "sampling", "as in transformers' generation config; an option left out takes the export's default (its "
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(bench, B, "gamma", help="draft window: tokens proposed per step")
     flags.add(bench, B, "branches", help="mirror: branches rolled out per step at most")
     flags.add(bench, B, "branch_batch", help="mirror: branches per batched draft call")
-    bench.add_argument("--threads", type=int, help="intra-op threads per session (default: every core; ar and sd never run two sessions at once)")
+    bench.add_argument("--threads", type=int, help="intra-op threads per session (default: every core; ar and sd never run two sessions at once; mode auto runs in its own pipeline with the split its cached profile predicts fastest)")
     flags.add(bench, B, "baseline_threads", type=int,
               help="also run ar (and sd, if asked for) with N threads per session (all cores), reported as ar-Nt / "
                    "sd-Nt: the serial modes' best thread setting")
@@ -167,9 +167,9 @@ def _generate(args) -> int:
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import Pipeline
 
-    devices = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
-                            kernels=args.kernels)
     config = generation_config(args)
+    devices = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
+                            kernels=args.kernels, plan_threads=config.mode == "auto")
     with Pipeline.load(args.model, devices) as pipe:
         on_text = None if args.json else write_stdout
         result = pipe.generate(args.prompt, config, on_text)

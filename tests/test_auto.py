@@ -163,3 +163,83 @@ def test_replans_to_ar_when_acceptance_collapses(random_draft, pipelines):
     assert proposer.switches, "no re-plan"
     assert proposer.strategy.mode == "ar", proposer.report()
     assert proposer.report()["switches"][0]["new"].startswith("ar")
+
+
+# ---- the thread split (runtime/auto_threads.py) -------------------------------------------------------------------
+def split_costs(t: int, d: int, verify: float, draft1: float, contention: float = 1.0):
+    from mirrorsd.runtime.latency import SplitCosts
+
+    return SplitCosts(target_threads=t, draft_threads=d, verify_s=(verify,) * 7, exit_s=(0.001,) * 7,
+                      draft1_s=draft1, branch_fwd_s=1.2 * draft1, branch_batch=2, c_target=contention,
+                      c_draft=contention)
+
+
+def cache_profile(folder, splits, alpha: float):
+    """A profile with ``splits`` in the cache of ``folder`` on this machine's placement (what `mirrorsd devices
+    --profile` would have written), with a fixed acceptance."""
+    from mirrorsd import profile as profiles
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime.latency import Acceptance
+
+    with Pipeline.load(folder, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
+        path = profiles.cache_path(pipe.folder, {r: p.describe() for r, p in pipe.placements.items()})
+    profiles.save(profiles.Profile(kind="measured", machine="test", splits=tuple(splits), detail=({},) * len(splits),
+                                   acceptance=Acceptance(alpha, alpha, alpha, "test")), path)
+    return path
+
+
+def cores() -> int:
+    from mirrorsd.devices.backends import default_threads
+
+    n = default_threads()
+    if n < 2:
+        pytest.skip("one core: there is only one thread split")
+    return n
+
+
+def test_choose_split_by_hand():
+    """The split whose best strategy is fastest; the current one kept within KEEP_MARGIN; no acceptance: default."""
+    from mirrorsd.profile import Profile
+    from mirrorsd.runtime.auto_threads import choose_split
+    from mirrorsd.runtime.latency import Acceptance
+
+    both = split_costs(2, 2, verify=0.009, draft1=0.004, contention=2.0)  # ar 111 tok/s
+    one = split_costs(1, 1, verify=0.010, draft1=0.001)  # ar 100 tok/s; mirror hides its cheap draft
+    profile = Profile("measured", "test", (both, one))
+    good, useless = Acceptance(0.9, 0.9, 0.9, "test"), Acceptance(0.0, 0.0, 0.0, "test")
+    choice = choose_split(profile, good, (2, 2))
+    assert choice.threads == (1, 1) and choice.source == "profile", choice
+    assert choice.candidates["1+1"]["best"].startswith("mirror") and choice.candidates["2+2"]["best"].startswith("sd")
+    assert choose_split(profile, useless, (1, 1)).threads == (2, 2)  # ar: 111 > 1.05 x 100
+    close = Profile("measured", "test", (split_costs(2, 2, 0.0098, 0.004, 2.0), one))
+    kept = choose_split(close, useless, (1, 1))  # ar 102 vs 100 tok/s: inside the margin, no reload
+    assert kept.threads == (1, 1) and "kept" in kept.why
+    assert choose_split(profile, None, (2, 2)).source == "default"
+
+
+def test_auto_loads_the_thread_split_its_cached_profile_predicts_fastest(same_draft, tmp_path):
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import Pipeline
+
+    n = cores()
+    plan = DeviceRequest(plan_threads=True)
+    with Pipeline.load(same_draft, plan) as pipe:  # no profile cached yet: today's default
+        assert pipe.threads == (n, n) and pipe.thread_choice.source == "default"
+        assert "no cached profile" in pipe.thread_choice.why
+    cache_profile(same_draft, [split_costs(n, n, 0.009, 0.004, 2.0), split_costs(1, 1, 0.010, 0.001)], alpha=0.9)
+    with Pipeline.load(same_draft, DeviceRequest(target_threads=n, draft_threads=n, plan_threads=True)) as pipe:
+        assert pipe.threads == (n, n) and pipe.thread_choice.source == "given"  # explicit threads win
+    with Pipeline.load(same_draft, plan) as pipe:
+        assert pipe.threads == (1, 1), pipe.thread_choice
+        assert {s.backend.session.get_session_options().intra_op_num_threads for s in pipe.sessions.values()} == {1}
+        ar = generate(pipe, "ar")
+        auto = generate(pipe, "auto")
+        assert auto.tokens == ar.tokens
+        threads = auto.stats.auto["threads"]
+        assert threads["chosen"] == "1+1" and threads["source"] == "profile" and "mirror" in threads["why"]
+        assert set(threads["candidates"]) == {f"{n}+{n}", "1+1"}
+        assert auto.stats.to_dict()["auto"]["threads"]["chosen"] == "1+1"  # --json prints it
+    cache_profile(same_draft, [split_costs(n, n, 0.009, 0.004, 2.0), split_costs(1, 1, 0.010, 0.001)], alpha=0.0)
+    with Pipeline.load(same_draft, plan) as pipe:  # a useless draft: ar, on every core
+        assert pipe.threads == (n, n) and pipe.thread_choice.source == "profile"
