@@ -21,6 +21,7 @@ from mirrorsd import names
 from mirrorsd.errors import GenerationInputError
 from mirrorsd.manifest import Manifest, load_manifest
 from mirrorsd.runtime import auto_threads, limits
+from mirrorsd.runtime.ar_probe import ArProbe
 from mirrorsd.runtime.auto import AutoProposer, blend
 from mirrorsd.runtime.config import AUTO, GenerationConfig
 from mirrorsd.runtime.latency import Strategy
@@ -264,8 +265,9 @@ class Pipeline:
         profile = self.profile()
         prior = self._acceptance or profile.acceptance
         streaming = config.streaming and self.streaming_draft is not None
+        probe = None if streaming else ArProbe(self.draft)  # (a streaming draft's acceptance is another one)
         return AutoProposer(lambda strategy: self._proposer(self.concrete(config, strategy)), self._profile_costs(),
-                            prior, streaming, context=prompt_tokens, new_tokens=config.max_new_tokens)
+                            prior, streaming, context=prompt_tokens, new_tokens=config.max_new_tokens, probe=probe)
 
     @staticmethod
     def concrete(config: GenerationConfig, strategy: Strategy) -> GenerationConfig:

@@ -243,3 +243,87 @@ def test_auto_loads_the_thread_split_its_cached_profile_predicts_fastest(same_dr
     cache_profile(same_draft, [split_costs(n, n, 0.009, 0.004, 2.0), split_costs(1, 1, 0.010, 0.001)], alpha=0.0)
     with Pipeline.load(same_draft, plan) as pipe:  # a useless draft: ar, on every core
         assert pipe.threads == (n, n) and pipe.thread_choice.source == "profile"
+
+
+# ---- leaving ar (runtime/ar_probe.py) ---------------------------------------------------------------------------
+def run_auto(pipe, prior, tokens: int):
+    """Decode ``tokens`` with an AutoProposer planning from ``prior`` and probing the draft while in ar."""
+    from mirrorsd.runtime.ar_probe import ArProbe
+
+    config = GenerationConfig(max_new_tokens=tokens, chat=False)
+    proposer = AutoProposer(lambda s: pipe._proposer(pipe.concrete(config, s)), pipe._profile_costs(), prior,
+                            context=0, new_tokens=tokens, probe=ArProbe(pipe.draft))
+    settings = DecodeSettings(tokens, pipe.manifest.tokenizer.eos_token_ids, pipe.context_limit,
+                              proposer.costs.max_gamma, sampler=GREEDY)
+    seen = []
+    observe = proposer.observe
+    proposer.observe = lambda v, new, g: (seen.append(proposer.strategy.mode), observe(v, new, g))
+    try:
+        outcome = decode(pipe.target, proposer, pipe.encode(PROMPT, config), settings)
+    finally:
+        proposer.close()
+    reference = pipe.generate(PROMPT, GenerationConfig(mode="ar", max_new_tokens=tokens, chat=False)).tokens
+    return proposer, outcome, reference, seen
+
+
+def test_leaves_ar_when_the_probe_measures_a_good_draft(same_draft, single_thread):
+    """Told that the draft is useless, auto starts in ar; the probe then finds the draft right every time, and with
+    costs where speculation pays at that acceptance, auto leaves ar. Output = ar's, before and after."""
+    from dataclasses import replace
+
+    from mirrorsd.runtime.ar_probe import PROBE_STEPS
+
+    pipe = single_thread(same_draft)
+    measured = with_costs(pipe)
+    pessimistic = replace(measured.acceptance, alpha=0.0, reuse=0.0, reuse_noexit=0.0, source="test")
+    proposer, outcome, reference, seen = run_auto(pipe, pessimistic, 96)
+    assert outcome.tokens == reference
+    assert proposer.first.strategy.mode == "ar"
+    assert proposer.switches and proposer.switches[0].old.startswith("ar"), proposer.report()
+    assert proposer.switches[0].new.split()[0] in ("sd", "mirror", "mirror-noexit")
+    assert "ar probe" in proposer.switches[0].reason
+    assert seen[:PROBE_STEPS] == ["ar"] * PROBE_STEPS and seen[-1] != "ar"  # it left ar after the first probe
+    probe = proposer.report()["ar_probe"]
+    assert probe["rows"] >= PROBE_STEPS - 1 and probe["alpha"] > 0.9, probe
+    assert outcome.counters.accepted > 0
+
+
+def test_stays_in_ar_when_the_probe_measures_a_useless_draft(random_draft, single_thread):
+    from dataclasses import replace
+
+    pipe = single_thread(random_draft)
+    measured = with_costs(pipe)
+    proposer, outcome, reference, seen = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 96)
+    assert outcome.tokens == reference
+    assert not proposer.switches and set(seen) == {"ar"}, proposer.report()
+    probe = proposer.report()["ar_probe"]
+    assert probe["probes"] >= 2 and probe["alpha"] < 0.5, probe
+
+
+def test_leave_ar_needs_a_margin():
+    """Hysteresis: a speculative strategy predicted 5 % faster than ar does not make auto leave it; 15 % does."""
+    from mirrorsd.runtime.ar_probe import LEAVE_MARGIN, leave_ar
+    from mirrorsd.runtime.latency import Acceptance, Prediction, Table
+
+    def table(ratio):
+        return Table((Prediction(Strategy("sd", 2), 0.01 / ratio, 1.0), Prediction(Strategy("ar"), 0.01, 1.0)),
+                     Acceptance(0.5, 0.0))
+
+    assert LEAVE_MARGIN == pytest.approx(0.10)
+    assert leave_ar(table(1.05)) is None
+    assert leave_ar(table(1.15)).strategy.mode == "sd"
+    only_ar = Table((Prediction(Strategy("ar"), 0.01, 1.0),), Acceptance(0.5, 0.0))
+    assert leave_ar(only_ar) is None
+
+
+def test_no_probe_when_speculation_cannot_pay(same_draft, single_thread):
+    """A draft that costs as much as the target never pays, even when always right: auto does not probe it."""
+    from dataclasses import replace
+
+    pipe = single_thread(same_draft)
+    measured = with_costs(pipe)
+    costs = replace(pipe._profile_costs(), draft1_s=0.050, branch_fwd_s=0.060)
+    pipe.use_profile(replace(pipe.profile(), splits=(costs,), detail=({},)))
+    proposer, outcome, reference, _ = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 48)
+    assert outcome.tokens == reference
+    assert proposer.report()["ar_probe"] is None and not proposer.switches
