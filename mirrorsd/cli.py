@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", required=True, type=Path, help="a profile JSON file (schema: docs/profile.md)")
     plan.add_argument("--alpha", type=float, help="per-token acceptance to assume instead of the profile's")
     plan.add_argument("--reuse", type=float, help="Mirror-SD reuse rate to assume instead of the profile's")
+    plan.add_argument("--exit-hits", type=Path, help="exit_layer_sweep.py's --json output: also print Mirror-SD's "
+                                                     "predicted speed at each exit layer, and the best one")
+    plan.add_argument("--exit-topk", type=int, default=4, help="which top-k hit rate of the sweep to use (default 4: "
+                                                               "the draft's runner-ups the sparse exit scores)")
+    plan.add_argument("--exit-layer", type=int, help="the exit layer the profile was measured at (default: the "
+                                                     "profile's detail)")
     return parser
 
 

@@ -83,6 +83,7 @@ def measure_split(pipe, max_gamma: int = MAX_GAMMA, repeats: int = REPEATS, tick
     costs = SplitCosts(target_threads=t_threads, draft_threads=d_threads, verify_s=target["verify_s"],
                        exit_s=target["exit_s"], draft1_s=draft1, branch_fwd_s=branch_fwd, branch_batch=branch_batch,
                        c_target=c_target, c_draft=c_draft, stream_window_s=stream, draft_prefill_s=prefill,
+                       prefix_s=tuple(target["prefix_parts"]),
                        label=f"target {pipe.placements['prefix'].describe()} x{t_threads}, "
                              f"draft {pipe.placements['draft'].describe()} x{d_threads}, {exit_kind(pipe)} exit head")
     detail = {k: [round(x, 6) for x in v] for k, v in target.items() if k.endswith("_parts") or k == "exit_full_s"}

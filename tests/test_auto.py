@@ -152,7 +152,7 @@ def test_replans_to_ar_when_acceptance_collapses(random_draft, pipelines):
     profile = pipe.profile()
     optimistic = replace(profile.acceptance, alpha=0.99, reuse=0.99, reuse_noexit=0.99, source="test")
     proposer = AutoProposer(lambda s: pipe._proposer(pipe.concrete(config, s)), pipe._profile_costs(), optimistic)
-    assert proposer.strategy.mode != "ar"
+    assert proposer.strategy.mode != "ar", (proposer.costs, proposer.first_table.to_dict())
     settings = DecodeSettings(80, pipe.manifest.tokenizer.eos_token_ids, pipe.context_limit,
                               proposer.costs.max_gamma, sampler=GREEDY)
     try:
