@@ -152,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "predicted speed at each exit layer, and the best one")
     plan.add_argument("--exit-topk", type=int, default=4, help="which top-k hit rate of the sweep to use (default 4: "
                                                                "the draft's runner-ups the sparse exit scores)")
+    plan.add_argument("--exit-kind", choices=("trained", "untrained"), default="trained",
+                      help="which exit's hit rates of the sweep: the trained adapter's, or the plain head's")
     plan.add_argument("--exit-layer", type=int, help="the exit layer the profile was measured at (default: the "
                                                      "profile's detail)")
     return parser

@@ -71,13 +71,13 @@ def plan_command(args) -> int:
     out.append("")
     out.append(format_table(table, "Predicted speed"))
     if args.exit_hits is not None:
-        out += exit_layer_lines(profile, acceptance, args.exit_hits, args.exit_topk, args.exit_layer)
+        out += exit_layer_lines(profile, acceptance, args.exit_hits, args.exit_topk, args.exit_layer, args.exit_kind)
     write_stdout("\n".join(out) + "\n")
     return 0
 
 
-def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int, exit_layer: int | None
-                     ) -> list[str]:
+def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int, exit_layer: int | None,
+                     kind: str = "trained") -> list[str]:
     """Per thread split with prefix times: Mirror-SD's predicted speed at each exit layer of the sweep."""
     import json
 
@@ -86,7 +86,7 @@ def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int
     from mirrorsd.runtime.latency import Strategy, predict
 
     try:
-        hits, layers = read_hits(json.loads(Path(hits_file).read_text()), topk)
+        hits, layers = read_hits(json.loads(Path(hits_file).read_text()), topk, kind)
     except (OSError, ValueError, KeyError) as exc:
         raise ProfileError(f"Cannot read the exit sweep {hits_file}", str(exc),
                            "pass the --json output of scripts/exit_layer_sweep.py") from None
@@ -100,7 +100,7 @@ def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int
         rows = exit_layer_table(costs, acceptance, hits, base)
         noexit = max(predict(costs, Strategy("mirror", g, exit_head=False), acceptance).tokens_per_second
                      for g in range(1, costs.max_gamma + 1))
-        out.append(f"\n{costs.split} (exit measured at layer {base}; top-{topk} hit rates of {hits_file}):")
+        out.append(f"\n{costs.split} (exit measured at layer {base}; {kind} top-{topk} hit rates of {hits_file}):")
         out.append(format_exit_table(rows, noexit, layers or (detail or {}).get("layers")))
     return out
 
