@@ -94,10 +94,11 @@ class ArProbe:
 
 
 def speculation_can_pay(table_for, acceptance: Acceptance) -> bool:
-    """Whether any speculative strategy beats ar with a perfect draft (``table_for(acceptance) -> Table``): if
-    not, probing can never change the choice and costs draft forwards for nothing."""
+    """Whether leaving ar could pay even with a perfect draft (``table_for(acceptance) -> Table``, which prices what
+    a switch costs now: the draft's prefill of the text, spread over the tokens still to come). If not, a probe
+    cannot change the choice and its draft forwards (the first one a prefill of the whole text) are wasted."""
     perfect = replace(acceptance, alpha=ALPHA_CAP, reuse=1.0, reuse_noexit=1.0)
-    return table_for(perfect).best.strategy.mode != "ar"
+    return leave_ar(table_for(perfect)) is not None
 
 
 def leave_ar(table: Table, margin: float = LEAVE_MARGIN):

@@ -221,6 +221,8 @@ class AutoProposer:
     def _probe(self, committed: list[int]) -> None:
         """In ar: probe the draft on the committed text and switch to speculation when it is predicted to pay."""
         self._probe_due = False
+        if not speculation_can_pay(lambda a: self._plan(a, self.strategy), self.prior):
+            return  # too few tokens left for a switch (and its draft prefill) to pay even with a perfect draft
         self.probe.probe(committed)
         alpha = self.probe.stats.alpha
         if alpha is None:

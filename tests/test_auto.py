@@ -327,3 +327,16 @@ def test_no_probe_when_speculation_cannot_pay(same_draft, single_thread):
     proposer, outcome, reference, _ = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 48)
     assert outcome.tokens == reference
     assert proposer.report()["ar_probe"] is None and not proposer.switches
+
+
+def test_no_probe_when_too_few_tokens_remain_for_a_switch_to_pay(same_draft, single_thread):
+    """The draft's prefill (30 ms per token here) is what a switch costs: at step 32 of 96 (32 tokens of context,
+    64 to come) even a perfect draft would not repay it, so auto does not spend a probe (itself a prefill) on it."""
+    from dataclasses import replace
+
+    pipe = single_thread(same_draft)
+    measured = with_costs(pipe, draft_prefill_s=0.030)
+    proposer, outcome, reference, seen = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 96)
+    assert outcome.tokens == reference and set(seen) == {"ar"}
+    probe = proposer.report()["ar_probe"]
+    assert probe is not None and probe["probes"] == 0, probe  # probing was on, and declined each time
