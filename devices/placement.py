@@ -80,6 +80,8 @@ class DeviceRequest:
     target_openvino: OpenVINOTuning = OpenVINOTuning(attention="fused", stateful=True, kv_precision="f16")
     draft_openvino: OpenVINOTuning = OpenVINOTuning(attention="as-exported")
     kernels: str = AUTO  # MatMulNBits on ONNX Runtime CPU: auto | mirrorsd | ort (devices/kernel_choice.py)
+    # Mode auto: with no threads given, take the split the cached profile predicts fastest (runtime/auto_threads.py)
+    plan_threads: bool = False
 
 
 @dataclass(frozen=True)

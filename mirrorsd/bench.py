@@ -7,6 +7,7 @@ a near-tie when ``ar``'s top-2 logit margin at that position is below the oracle
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -166,6 +167,28 @@ def own_threads(options: BenchOptions) -> int:
     return options.target_threads or default_threads()
 
 
+@contextlib.contextmanager
+def _auto_pipeline(options: BenchOptions, modes: list[str], devices, pipe):
+    """The pipeline mode auto runs in: with no --threads, its own one with the thread split the cached profile
+    predicts fastest (runtime/auto_threads.py), when that differs from the other modes' split; else ``pipe``."""
+    from dataclasses import replace
+
+    from mirrorsd.runtime import Pipeline
+
+    if "auto" not in modes or options.target_threads or options.draft_threads:
+        yield pipe
+        return
+    choice = pipe._cached_thread_choice()
+    if choice.threads == pipe.threads:
+        pipe.thread_choice = choice
+        yield pipe
+        return
+    with Pipeline.load(options.model, replace(devices, target_threads=choice.threads[0],
+                                              draft_threads=choice.threads[1])) as own:
+        own.thread_choice = choice
+        yield own
+
+
 def _stats_dict(out) -> dict:
     return out.stats if isinstance(out.stats, dict) else out.stats.to_dict()
 
@@ -185,7 +208,8 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
     shared = dict(max_new_tokens=options.max_new_tokens, gamma=options.gamma, branches=options.branches,
                   branch_batch=options.branch_batch)
     native_modes = [m for m in modes if m in NATIVE_VARIANTS]
-    with Pipeline.load(options.model, devices) as pipe, _native_model(options, native_modes) as native:
+    with Pipeline.load(options.model, devices) as pipe, _native_model(options, native_modes) as native, \
+            _auto_pipeline(options, modes, devices, pipe) as auto_pipe:
         result.chat = has_chat_template(pipe)
         configs = {mode: GenerationConfig(**{**shared, "record_margins": mode == "ar", "chat": result.chat,
                                              **variant(mode)})
@@ -197,7 +221,8 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
                 if isinstance(config, _NativeRun):
                     config.warm_up(pipe.encode("Say hello.", encode_config))
                 else:
-                    pipe.generate("Say hello.", GenerationConfig(**{**config.__dict__, "max_new_tokens": 8}))
+                    (auto_pipe if config.mode == "auto" else pipe).generate(
+                        "Say hello.", GenerationConfig(**{**config.__dict__, "max_new_tokens": 8}))
         bar = tqdm(total=len(questions) * len(configs), disable=not progress or not configs, desc="bench", unit="gen")
         for i, question in enumerate(questions):
             ids = pipe.encode(question.text, encode_config)
@@ -208,7 +233,8 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
             prompt_ids[question.question_id] = ids
             for mode in rotated(list(configs), i):
                 config = configs[mode]
-                run = config(ids) if isinstance(config, _NativeRun) else pipe.generate(ids, config)
+                own = auto_pipe if mode == "auto" else pipe
+                run = config(ids) if isinstance(config, _NativeRun) else own.generate(ids, config)
                 outs.setdefault(question.question_id, {})[mode] = run
                 bar.update(1)
         bar.close()

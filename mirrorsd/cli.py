@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(gen, G, "streaming", "--no-streaming",
               help="sd/mirror: draft with the plain draft even when the export has a streaming draft "
                    "(draft_streaming.onnx, from mirrorsd-train-draft)")
-    gen.add_argument("--threads", type=int, help="intra-op threads per session (default: every core; ar and sd never run two sessions at once)")
+    gen.add_argument("--threads", type=int, help="intra-op threads per session (default: every core; ar and sd never run two sessions at once; --mode auto takes the split its cached profile predicts fastest)")
     gen.add_argument("--json", action="store_true", help="print token ids, text and statistics as JSON")
     samp = gen.add_argument_group(
         "sampling", "as in transformers' generation config; an option left out takes the export's default (its "
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(bench, B, "gamma", help="draft window: tokens proposed per step")
     flags.add(bench, B, "branches", help="mirror: branches rolled out per step at most")
     flags.add(bench, B, "branch_batch", help="mirror: branches per batched draft call")
-    bench.add_argument("--threads", type=int, help="intra-op threads per session (default: every core; ar and sd never run two sessions at once)")
+    bench.add_argument("--threads", type=int, help="intra-op threads per session (default: every core; ar and sd never run two sessions at once; mode auto runs in its own pipeline with the split its cached profile predicts fastest)")
     flags.add(bench, B, "baseline_threads", type=int,
               help="also run ar (and sd, if asked for) with N threads per session (all cores), reported as ar-Nt / "
                    "sd-Nt: the serial modes' best thread setting")
@@ -148,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", required=True, type=Path, help="a profile JSON file (schema: docs/profile.md)")
     plan.add_argument("--alpha", type=float, help="per-token acceptance to assume instead of the profile's")
     plan.add_argument("--reuse", type=float, help="Mirror-SD reuse rate to assume instead of the profile's")
+    plan.add_argument("--exit-hits", type=Path, help="exit_layer_sweep.py's --json output: also print Mirror-SD's "
+                                                     "predicted speed at each exit layer, and the best one")
+    plan.add_argument("--exit-topk", type=int, default=4, help="which top-k hit rate of the sweep to use (default 4: "
+                                                               "the draft's runner-ups the sparse exit scores)")
+    plan.add_argument("--exit-kind", choices=("trained", "untrained"), default="trained",
+                      help="which exit's hit rates of the sweep: the trained adapter's, or the plain head's")
+    plan.add_argument("--exit-layer", type=int, help="the exit layer the profile was measured at (default: the "
+                                                     "profile's detail)")
     return parser
 
 
@@ -167,9 +175,9 @@ def _generate(args) -> int:
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import Pipeline
 
-    devices = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
-                            kernels=args.kernels)
     config = generation_config(args)
+    devices = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
+                            kernels=args.kernels, plan_threads=config.mode == "auto")
     with Pipeline.load(args.model, devices) as pipe:
         on_text = None if args.json else write_stdout
         result = pipe.generate(args.prompt, config, on_text)

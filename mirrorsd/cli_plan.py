@@ -70,8 +70,39 @@ def plan_command(args) -> int:
     out += [f"  source: {src}" for src in profile.sources]
     out.append("")
     out.append(format_table(table, "Predicted speed"))
+    if args.exit_hits is not None:
+        out += exit_layer_lines(profile, acceptance, args.exit_hits, args.exit_topk, args.exit_layer, args.exit_kind)
     write_stdout("\n".join(out) + "\n")
     return 0
+
+
+def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int, exit_layer: int | None,
+                     kind: str = "trained") -> list[str]:
+    """Per thread split with prefix times: Mirror-SD's predicted speed at each exit layer of the sweep."""
+    import json
+
+    from mirrorsd.errors import ProfileError
+    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table, read_hits
+    from mirrorsd.runtime.latency import Strategy, predict
+
+    try:
+        hits, layers = read_hits(json.loads(Path(hits_file).read_text()), topk, kind)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ProfileError(f"Cannot read the exit sweep {hits_file}", str(exc),
+                           "pass the --json output of scripts/exit_layer_sweep.py") from None
+    out = []
+    for costs, detail in zip(profile.splits, profile.detail or ({},) * len(profile.splits)):
+        base = exit_layer or (detail or {}).get("exit_layer")
+        if not costs.prefix_s or not base:
+            out.append(f"\n{costs.split}: no exit-layer table (the split needs prefix_s, and the exit layer it was "
+                       f"measured at: --exit-layer)")
+            continue
+        rows = exit_layer_table(costs, acceptance, hits, base)
+        noexit = max(predict(costs, Strategy("mirror", g, exit_head=False), acceptance).tokens_per_second
+                     for g in range(1, costs.max_gamma + 1))
+        out.append(f"\n{costs.split} (exit measured at layer {base}; {kind} top-{topk} hit rates of {hits_file}):")
+        out.append(format_exit_table(rows, noexit, layers or (detail or {}).get("layers")))
+    return out
 
 
 def splits_to_profile(threads: int | None) -> list[tuple[int, int]]:

@@ -128,6 +128,10 @@ def _check_costs(costs: SplitCosts, where: str) -> None:
     if any(not isinstance(t, (int, float)) or not t >= 0 for t in times) or costs.verify_s[0] <= 0:
         raise ProfileError(f"{where}: every time must be a number of seconds >= 0", "a step cannot take less",
                            "fix the file")
+    if costs.prefix_s and (len(costs.prefix_s) != len(costs.verify_s) or any(
+            not isinstance(p, (int, float)) or not 0 <= p <= v for p, v in zip(costs.prefix_s, costs.verify_s))):
+        raise ProfileError(f"{where}: prefix_s needs one time per window width, each within verify_s",
+                           "the prefix is part of the verification", "fix the file, or leave prefix_s out")
     if not costs.c_target >= 1.0 or not costs.c_draft >= 1.0:
         raise ProfileError(f"{where}: contention factors are >= 1", "1.0 means no slowdown", "fix the file")
 

@@ -8,6 +8,9 @@
               acceptance measured so far in this generation (e.g. acceptance collapsed: drop to ar). If the same
               strategy still wins, the machine is simply slower than profiled: the prediction is scaled to what
               was measured, so that it does not re-plan every 16 steps for nothing
+    leave ar  while in ar, the draft is probed every PROBE_STEPS steps on the committed text (runtime/ar_probe.py:
+              teacher-forced, the target's tokens untouched) and the strategies ranked again with the alpha it
+              measured; auto leaves ar when a speculative strategy is predicted LEAVE_MARGIN faster than ar
     switch    the old proposer is finished (a Mirror-SD worker stops) and the new one starts from the committed
               text: the draft's cache is rebuilt by its prefill. Every mode is lossless, so the tokens stay the
               target's whatever it switches to (tests/test_auto.py checks parity with ar across switches)
@@ -18,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from mirrorsd.runtime.ar_probe import PROBE_STEPS, ArProbe, leave_ar, speculation_can_pay
 from mirrorsd.runtime.latency import Acceptance, Prediction, SplitCosts, Strategy, Table, rank
 from mirrorsd.runtime.rollout import Window
 from mirrorsd.runtime.sampling import GREEDY, Sampler
@@ -112,7 +116,7 @@ class AutoProposer:
 
     def __init__(self, make: Callable[[Strategy], object], costs: SplitCosts, prior: Acceptance,
                  streaming: bool = False, max_gamma: int | None = None, context: int = 0,
-                 new_tokens: int = 0) -> None:
+                 new_tokens: int = 0, probe: ArProbe | None = None) -> None:
         self._make = make  # Strategy -> a proposer (TargetOnly, SerialDraft, MirrorProposer)
         self.costs, self.prior = costs, prior
         self.context, self.new_tokens = context, new_tokens  # the prompt's tokens; the tokens asked for
@@ -135,6 +139,10 @@ class AutoProposer:
         self._last = 0.0
         self._reused = False
         self._step = 0
+        self.probe = probe  # measures the draft's acceptance while in ar (None: ar stays ar for the generation)
+        self._probing = False
+        self._probe_due = False
+        self._ar_steps = 0
 
     @property
     def strategy(self) -> Strategy:
@@ -146,10 +154,15 @@ class AutoProposer:
         self.inner = self._make(self.strategy)
         self.inner.reset(prompt, sampler)
         self._last = 0.0  # set by the first propose: the prefill is no step
+        self._probing = self.probe is not None and sampler.plain and speculation_can_pay(self._plan, self.prior)
+        if self._probing:
+            self.probe.start(len(prompt))
 
     def propose(self, committed: list[int], gamma: int) -> Window:
         if not self._last:
             self._last = time.perf_counter()
+        if self._probe_due:
+            self._probe(committed)
         if self._pending is not None:
             self._switch(committed)
         g = min(gamma, self.strategy.gamma)
@@ -181,6 +194,9 @@ class AutoProposer:
         self._last = now
         self.generated += tokens
         self.online.record(verdict, self.strategy, self._reused)
+        if self._probing and self.strategy.mode == "ar" and self._pending is None:
+            self._ar_steps += 1
+            self._probe_due = self._ar_steps % PROBE_STEPS == 0
         if len(self._recent) < RECHECK_STEPS:
             return
         seconds = sum(s for s, _ in self._recent)
@@ -202,6 +218,30 @@ class AutoProposer:
         self.table = table
         self._pending = best
 
+    def _probe(self, committed: list[int]) -> None:
+        """In ar: probe the draft on the committed text and switch to speculation when it is predicted to pay."""
+        self._probe_due = False
+        if not speculation_can_pay(lambda a: self._plan(a, self.strategy), self.prior):
+            return  # too few tokens left for a switch (and its draft prefill) to pay even with a perfect draft
+        self.probe.probe(committed)
+        alpha = self.probe.stats.alpha
+        if alpha is None:
+            return
+        known = self.online.acceptance(self.prior)  # the probe measures alpha only; reuse stays what was known
+        acceptance = Acceptance(alpha, known.reuse, known.reuse_noexit, "ar probe")
+        table = self._plan(acceptance, self.strategy)
+        best = leave_ar(table)
+        if best is None:
+            return
+        stats = self.probe.stats
+        ar = table.best_of("ar").tokens_per_second
+        self.switches.append(Switch(self._step, self.strategy.name, best.strategy.name, round(ar * self.scale, 2),
+                                    round(best.tokens_per_second, 2),
+                                    f"ar probe: the draft matched {stats.matches} of {stats.rows} generated tokens; "
+                                    f"re-planned: " + why(table)))
+        self.table = table
+        self._pending = best
+
     def switch_to(self, strategy: Strategy) -> None:
         """Run ``strategy`` from the next step on (the re-planner's move; tests drive it directly)."""
         self._pending = Prediction(strategy, self.current.step_s, self.current.tokens_per_step)
@@ -214,6 +254,9 @@ class AutoProposer:
             self._count_branches(self.inner)
             self.inner = self._make(new.strategy)
             self.inner.reset(list(committed), self.sampler)
+            if new.strategy.mode == "ar" and self._probing:
+                self.probe.restart()  # a new ar period: probe afresh, PROBE_STEPS from now
+                self._ar_steps = 0
         self.current = new
         self.scale = 1.0
         self._recent = []
@@ -234,4 +277,5 @@ class AutoProposer:
                 "online_acceptance": {"steps": self.online.steps,
                                       "alpha": round(self.online.accepted / self.online.tried, 4)
                                       if self.online.tried else None},
-                "split": self.costs.split, "table": self.first_table.to_dict()}
+                "split": self.costs.split, "table": self.first_table.to_dict(),
+                "ar_probe": self.probe.total.to_dict() if self._probing else None}

@@ -20,8 +20,11 @@ Step times (the paper's model, ALGORITHM.md, with the edge's contention terms an
     ar       T = verify(1)                                                         1 token per step
     sd       T = gamma * draft1 + verify(gamma + 1)                                E[A + 1] tokens per step
     mirror   V = c_target * (verify(g + 1) + exit(g + 1))   the target verifies while the draft rolls out:
-             F = c_draft * (draft1 + g * branch_fwd)        one forward on the window's last token, then the
-                                                            first batch of branches (the likeliest ones)
+             E = c_target * (prefix(g + 1) + exit(g + 1))   the early exit's message arrives (with the exit head;
+                                                            0 without it, or when the profile has no prefix times)
+             F = max(c_draft * draft1, E) + c_draft * g * branch_fwd   one forward on the window's last token;
+                                                            then, once the exit has ranked them, the first batch of
+                                                            branches (the likeliest ones) ends at F
              hit:  V + wait, wait = (F - V) / c_draft when the first batch is still running at the verdict (the
                    hit branch is finished, alone now), else 0.5 * branch_fwd (the forward under way)
              miss: V + 0.5 * branch_fwd + g * draft1        (the fallback window is drafted after the verdict)
@@ -62,6 +65,7 @@ class SplitCosts:
     draft_prefill_s: float = 0.0  # the draft's prefill, per context token (sd pays it in its first step)
     mirror_host_s: tuple[float, ...] = ()  # (with, without the exit head): Mirror-SD's per-step time beyond the
     #                                        model (hand-offs, re-ranking), fitted on the calibration run; () = 0
+    prefix_s: tuple[float, ...] = ()  # [w - 1] -> the prefix graph alone (the exit layer's depth); () = unknown
     label: str = ""  # the placement in words, e.g. "target cpu 2t, draft cpu 2t"
     name: str = ""  # a short name for the split in tables ("" = the thread split, e.g. "2+2")
 
@@ -156,11 +160,20 @@ def mirror_step(costs: SplitCosts, gamma: int, exit_head: bool, reuse: float, wi
     """Mirror-SD's step time (module docstring): the verification under contention, then the wait for the hit
     branch (probability ``reuse``) or the fallback window of ``window_s`` seconds."""
     verify = costs.c_target * (costs.verify_s[gamma] + (costs.exit_s[gamma] if exit_head else 0.0))
-    first_batch = costs.c_draft * (costs.draft1_s + gamma * costs.branch_fwd_s)
+    start = exit_arrival_s(costs, gamma) if exit_head else 0.0  # the worker ranks its first batch with the exit
+    first_batch = max(costs.c_draft * costs.draft1_s, start) + costs.c_draft * gamma * costs.branch_fwd_s
     hit_wait = (first_batch - verify) / costs.c_draft if first_batch > verify else 0.5 * costs.branch_fwd_s
     miss_wait = 0.5 * costs.branch_fwd_s + window_s
     host = costs.mirror_host_s[0 if exit_head else 1] if len(costs.mirror_host_s) == 2 else 0.0
     return verify + reuse * hit_wait + (1.0 - reuse) * miss_wait + host
+
+
+def exit_arrival_s(costs: SplitCosts, gamma: int) -> float:
+    """Seconds after a verification of gamma + 1 rows starts until the early exit's message reaches the draft: the
+    prefix and the exit head, under contention (0 when the profile has no prefix times)."""
+    if len(costs.prefix_s) <= gamma:
+        return 0.0
+    return costs.c_target * (costs.prefix_s[gamma] + costs.exit_s[gamma])
 
 
 def _window_s(costs: SplitCosts, gamma: int, streaming: bool) -> float:

@@ -20,7 +20,8 @@ from typing import Callable
 from mirrorsd import names
 from mirrorsd.errors import GenerationInputError
 from mirrorsd.manifest import Manifest, load_manifest
-from mirrorsd.runtime import limits
+from mirrorsd.runtime import auto_threads, limits
+from mirrorsd.runtime.ar_probe import ArProbe
 from mirrorsd.runtime.auto import AutoProposer, blend
 from mirrorsd.runtime.config import AUTO, GenerationConfig
 from mirrorsd.runtime.latency import Strategy
@@ -68,19 +69,39 @@ class Pipeline:
         self.draft_timeline = sessions[names.DRAFT].timeline
         self._profile = None  # mode auto: this export's measured profile (runtime/profiling.py), loaded once
         self._acceptance = None  # mode auto: the acceptance the last generations measured (else the profile's)
+        self.thread_choice = auto_threads.default(threads, "threads not planned (DeviceRequest.plan_threads off)")
 
     @classmethod
     def load(cls, folder: str | os.PathLike, devices=None) -> "Pipeline":
+        """Open every graph of export ``folder`` as ``devices`` asks. With ``devices.plan_threads`` and no threads
+        given, the sessions get the thread split the cached profile predicts fastest (runtime/auto_threads.py):
+        they open with the default, and reopen when the profile says another split (a second load)."""
         from mirrorsd.devices.backends import default_threads
-        from mirrorsd.devices.placement import DeviceRequest, open_graph, plan_placement
+        from mirrorsd.devices.placement import DeviceRequest
 
         folder = Path(folder).expanduser().resolve()
         manifest = load_manifest(folder)
         devices = devices or DeviceRequest()
         limits.check_threads(devices)
         limits.check_vocabularies(manifest)
-        timelines = {"target": Timeline(), "draft": Timeline()}
         threads = (devices.target_threads or default_threads(), devices.draft_threads or default_threads())
+        pipe = cls(folder, manifest, *cls._open(folder, manifest, devices, threads), threads)
+        if devices.target_threads or devices.draft_threads:
+            pipe.thread_choice = auto_threads.given(threads)
+        elif devices.plan_threads:
+            choice = pipe._cached_thread_choice()
+            if choice.threads != threads:
+                pipe.close()
+                pipe = cls(folder, manifest, *cls._open(folder, manifest, devices, choice.threads), choice.threads)
+            pipe.thread_choice = choice
+        return pipe
+
+    @staticmethod
+    def _open(folder: Path, manifest: Manifest, devices, threads: tuple[int, int]) -> tuple[dict, dict]:
+        """(sessions, placements) of every graph, with ``threads`` intra-op threads (target, draft)."""
+        from mirrorsd.devices.placement import open_graph, plan_placement
+
+        timelines = {"target": Timeline(), "draft": Timeline()}
         sessions, placements = {}, {}
         plan = plan_placement(manifest, devices)  # decided once for both models; warns when auto fell back
         for role in names.GRAPH_ROLES:
@@ -103,7 +124,21 @@ class Pipeline:
                                             plan.decision("target"), kernels=plan.kernels)
             sessions[spec.role] = GraphSession(spec, backend, placement, timelines["target"])
             placements[spec.role] = placement
-        return cls(folder, manifest, sessions, placements, threads)
+        return sessions, placements
+
+    def _cached_thread_choice(self):
+        """The thread split the cached profile of this export and placement predicts fastest (nothing measured)."""
+        from mirrorsd import profile as profiles
+
+        path = profiles.cache_path(self.folder, {role: p.describe() for role, p in self.placements.items()})
+        if not path.is_file():
+            return auto_threads.default(self.threads, "no cached profile of this export and placement (`mirrorsd "
+                                                      "devices --profile --model EXPORT` measures one)")
+        try:
+            profile = profiles.load(path)
+        except profiles.ProfileError as exc:
+            return auto_threads.default(self.threads, f"the cached profile is unreadable ({exc.what})")
+        return auto_threads.choose_split(profile, profile.acceptance, self.threads)
 
     @property
     def context_limit(self) -> int:
@@ -230,8 +265,9 @@ class Pipeline:
         profile = self.profile()
         prior = self._acceptance or profile.acceptance
         streaming = config.streaming and self.streaming_draft is not None
+        probe = None if streaming else ArProbe(self.draft)  # (a streaming draft's acceptance is another one)
         return AutoProposer(lambda strategy: self._proposer(self.concrete(config, strategy)), self._profile_costs(),
-                            prior, streaming, context=prompt_tokens, new_tokens=config.max_new_tokens)
+                            prior, streaming, context=prompt_tokens, new_tokens=config.max_new_tokens, probe=probe)
 
     @staticmethod
     def concrete(config: GenerationConfig, strategy: Strategy) -> GenerationConfig:
@@ -258,7 +294,7 @@ class Pipeline:
             outcome.counters.branches_rolled_out = proposer.branches
             # the next generation plans from this one's acceptance, averaged into what was known
             self._acceptance = blend(proposer.prior, proposer.online.acceptance(proposer.prior))
-            auto = proposer.report()
+            auto = {**proposer.report(), "threads": self.thread_choice.to_dict()}
         placement = {role: p.describe() for role, p in self.placements.items()}
         stats = summarize(config.mode, outcome.counters, len(ids), len(outcome.tokens), outcome.seconds,
                           outcome.time_to_first_token_s, list(self.target_timeline.intervals),

@@ -1,7 +1,10 @@
 """Measure a loaded pipeline at the shapes the runtime uses: the costs of its thread split, and the pair's acceptance.
 
     target     prefix, exit head and suffix at window widths 1 .. gamma_max + 1 (the decode loop's verification,
-               with the host's argmax), on a cache holding the calibration prompt
+               with the host's argmax), on a cache holding the calibration prompt. The exit head timed is the one
+               Mirror-SD runs: the sparse head (exit_sparse.onnx, scoring the draft's runner_up_k candidates per
+               row) when the folder has one, else the full head; with a sparse head the full one is timed as well
+               (detail ``exit_full_s``, for the exit-layer table)
     draft      one row, g tokens through the rollout engine (sd's window; mirror's fallback); a batch of
                branch_batch branch rows (mirror's rollouts); the streaming draft's windows when the export has one
     contention the target's verification while the draft rolls out branches on another thread, and the draft's
@@ -37,6 +40,31 @@ CALIBRATION_PROMPTS = (
 CALIBRATION_TOKENS = 48
 
 
+class _ExitSink:
+    """An early-exit callback that drops the message; ``draft_top`` (the draft's top-k at each window position)
+    makes the target run its sparse exit head, as Mirror-SD's hand-off does (models.TargetModel._exit_message)."""
+
+    def __init__(self, draft_top: np.ndarray | None = None) -> None:
+        self.draft_top = draft_top
+
+    def __call__(self, ids, logprobs) -> None:
+        pass
+
+
+def exit_sink(pipe, prompt: list[int], rows: int, full: bool = False) -> _ExitSink:
+    """The callback that times the exit head Mirror-SD runs on a verification of ``rows`` rows (the full head when
+    ``full`` or when the folder has no sparse one)."""
+    if full or pipe.target.exit_sparse is None:
+        return _ExitSink()
+    k = GenerationConfig.runner_up_k
+    ids = np.resize(np.asarray(prompt, np.int64), (max(rows - 1, 1), k))  # the window's candidates: any valid ids
+    return _ExitSink(ids)
+
+
+def exit_kind(pipe) -> str:
+    return "sparse" if pipe.target.exit_sparse is not None else "full"
+
+
 def calibration_ids(pipe, text: str = CALIBRATION_PROMPTS[0]) -> list[int]:
     chat = bool(pipe.manifest.tokenizer.chat_template)
     return pipe.encode(text, GenerationConfig(chat=chat))
@@ -55,10 +83,12 @@ def measure_split(pipe, max_gamma: int = MAX_GAMMA, repeats: int = REPEATS, tick
     costs = SplitCosts(target_threads=t_threads, draft_threads=d_threads, verify_s=target["verify_s"],
                        exit_s=target["exit_s"], draft1_s=draft1, branch_fwd_s=branch_fwd, branch_batch=branch_batch,
                        c_target=c_target, c_draft=c_draft, stream_window_s=stream, draft_prefill_s=prefill,
+                       prefix_s=tuple(target["prefix_parts"]),
                        label=f"target {pipe.placements['prefix'].describe()} x{t_threads}, "
-                             f"draft {pipe.placements['draft'].describe()} x{d_threads}")
-    detail = {k: [round(x, 6) for x in v] for k, v in target.items() if k.endswith("_parts")}
-    detail.update({"prompt_tokens": len(prompt), "repeats": repeats})
+                             f"draft {pipe.placements['draft'].describe()} x{d_threads}, {exit_kind(pipe)} exit head")
+    detail = {k: [round(x, 6) for x in v] for k, v in target.items() if k.endswith("_parts") or k == "exit_full_s"}
+    detail.update({"prompt_tokens": len(prompt), "repeats": repeats, "exit_head": exit_kind(pipe),
+                   "exit_layer": pipe.manifest.exit_layer, "layers": pipe.manifest.target.num_layers})
     return costs, detail
 
 
@@ -76,21 +106,23 @@ def _target_costs(pipe, prompt: list[int], max_gamma: int, repeats: int, tick) -
     base = target.length
     window = (prompt * (max_gamma + 2))[: max_gamma + 1]
     widths = range(1, max_gamma + 2)
-    runs = {w: {"wall": [], "exit": [], "prefix": [], "suffix": []} for w in widths}
+    runs = {w: {"wall": [], "exit": [], "full": [], "prefix": [], "suffix": []} for w in widths}
+    variants = ("none", "exit", "full") if pipe.target.exit_sparse is not None else ("none", "exit")
     for r in range(repeats + 1):
         for w in widths:
-            for with_exit in (False, True):
+            for variant in variants:
+                sink = None if variant == "none" else exit_sink(pipe, window, w, full=variant == "full")
                 timeline.clear()
                 start = time.perf_counter()
-                logits = target.extend(window[:w], (lambda ids, lps: None) if with_exit else None)
+                logits = target.extend(window[:w], sink)
                 greedy_tokens(logits)  # the decode loop's verification
                 wall = time.perf_counter() - start
                 target.truncate(base)
                 if r == 0:
                     continue  # warm-up: a new shape may compile or allocate
                 spans = [e - s for s, e in timeline.intervals]
-                if with_exit:
-                    runs[w]["exit"].append(spans[1])
+                if variant != "none":
+                    runs[w][variant].append(spans[1])
                 else:
                     runs[w]["wall"].append(wall)
                     runs[w]["prefix"].append(spans[0])
@@ -100,9 +132,12 @@ def _target_costs(pipe, prompt: list[int], max_gamma: int, repeats: int, tick) -
     verify = [_median(runs[w]["wall"]) for w in widths]
     prefix = [_median(runs[w]["prefix"]) for w in widths]
     suffix = [_median(runs[w]["suffix"]) for w in widths]
-    return {"verify_s": tuple(verify), "exit_s": tuple(_median(runs[w]["exit"]) for w in widths),
-            "prefix_parts": prefix, "suffix_parts": suffix,
-            "host_parts": [v - p - q for v, p, q in zip(verify, prefix, suffix)]}
+    out = {"verify_s": tuple(verify), "exit_s": tuple(_median(runs[w]["exit"]) for w in widths),
+           "prefix_parts": prefix, "suffix_parts": suffix,
+           "host_parts": [v - p - q for v, p, q in zip(verify, prefix, suffix)]}
+    if "full" in variants:
+        out["exit_full_s"] = [_median(runs[w]["full"]) for w in widths]
+    return out
 
 
 def _branch_setup(pipe, prompt: list[int], gamma: int, batch_rows: int):
@@ -186,7 +221,7 @@ def _contention(pipe, prompt: list[int], gamma: int, batch_rows: int, repeats: i
     try:
         for r in range(2 * repeats + 1):
             start = time.perf_counter()
-            greedy_tokens(model.extend(tokens, lambda ids, lps: None))
+            greedy_tokens(model.extend(tokens, exit_sink(pipe, tokens, len(tokens))))
             if r:
                 walls.append(time.perf_counter() - start)
             model.truncate(base)

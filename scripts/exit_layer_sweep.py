@@ -2,6 +2,7 @@
 
     python scripts/exit_layer_sweep.py HF_FOLDER ANSWERS_DIR [--layers 7,10,14,18,21] [--train-rows 4000] [--eval-rows N]
                                       [--rank 64] [--epochs 4] [--threads 2] [--json OUT.json]
+                                      [--profile PROFILE.json [--exit-layer L0]]
 
 ANSWERS_DIR holds distill-train-T.jsonl and distill-eval-T.jsonl (T = --max-new-tokens) (the target's greedy answers, as mirrorsd-train-exit
 caches them in OUTPUT/exit_training/). One PyTorch pass (fp32, output_hidden_states) per answer gives h(L) at every
@@ -9,9 +10,11 @@ layer; the rows are the answer positions, labelled with this model's own greedy 
 x = final_norm(h(L)), the untrained exit is x @ W (the LM head), the trained one fits the same adapter as
 mirrorsd-train-exit (export/early_exit/adapter.py) on the training rows; both are scored on the held-out rows.
 The prefix share is L / N (decoder layers are uniform; the embedding lookup is free and the LM head belongs to the
-suffix). Suggested layer (a simple criterion, not the latency model, which has no exit-layer term yet):
-argmax over L of trained top-4 x (1 - L / N) = the chance the exit names the target's token x the share of the
-target step still left for the draft to act on it once the exit arrives. Needs the Qwen 1.5B in fp32 (~7 GB): run it under /work/bin/bigmem on the shared machine.
+suffix). Suggested layer: the latency model's (runtime/exit_layer.py) with --profile, a measured profile of the
+export (`mirrorsd devices --profile --model EXPORT`; its prefix times and the exit layer it was measured at): Mirror-SD's
+predicted tok/s at each layer from its trained top-4 hit rate, which trades a deeper exit's better hit rate against
+the suffix time left to hide the draft's branches under. `mirrorsd plan --profile P --exit-hits OUT.json` prints the
+same table later from the --json output. Needs the Qwen 1.5B in fp32 (~7 GB): run it under /work/bin/bigmem on the shared machine.
 """
 from __future__ import annotations
 
@@ -46,6 +49,22 @@ def layer_rows(model, samples, layers: list[int], limit: int | None) -> tuple[di
     return {L: np.concatenate(v)[:limit] for L, v in xs.items()}, np.concatenate(labels)[:limit].astype(np.int64)
 
 
+def suggestion(profile_file: Path | None, exit_layer: int | None, hits: dict[int, float], layers: int) -> str:
+    """The latency model's table and best layer for the first thread split of ``profile_file`` with prefix times."""
+    if profile_file is None:
+        return "suggested exit layer: pass --profile (a measured profile of the export) for the latency model's choice"
+    from mirrorsd import profile as profiles
+    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table
+
+    profile = profiles.load(profile_file)
+    for costs, detail in zip(profile.splits, profile.detail or ({},) * len(profile.splits)):
+        base = exit_layer or (detail or {}).get("exit_layer")
+        if costs.prefix_s and base and profile.acceptance is not None:
+            rows = exit_layer_table(costs, profile.acceptance, hits, base)
+            return f"split {costs.split}, exit measured at layer {base}:\n" + format_exit_table(rows, layers=layers)
+    return "suggested exit layer: the profile has no split with prefix times and acceptance (re-measure it)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
@@ -57,6 +76,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", type=Path, help="a measured profile: suggest the layer the latency model predicts "
+                                                     "fastest")
+    parser.add_argument("--exit-layer", type=int, help="the exit layer the profile was measured at (default: its detail)")
     args = parser.parse_args()
     import transformers
 
@@ -82,9 +104,7 @@ def main() -> None:
                         "untrained_loss": before.loss, "trained_loss": after.loss})
         print(f"| {L} | {L / n:.2f} | {before.hit[1]:.3f} | {before.hit[4]:.3f} | {after.hit[1]:.3f} | "
               f"{after.hit[4]:.3f} |", flush=True)
-    best = max(results, key=lambda r: r["trained"][4] * (1 - r["prefix_share"]))
-    print(f"suggested exit layer: {best['layer']} (trained top-4 x (1 - L/N) = "
-          f"{best['trained'][4] * (1 - best['prefix_share']):.3f})")
+    print(suggestion(args.profile, args.exit_layer, {r["layer"]: r["trained"][4] for r in results}, n))
     if args.json:
         args.json.write_text(json.dumps({"layers": n, "rows": [len(train_y), len(eval_y)], "results": results},
                                         indent=1))

@@ -153,7 +153,7 @@ def test_replans_to_ar_when_acceptance_collapses(random_draft, pipelines):
     profile = pipe.profile()
     optimistic = replace(profile.acceptance, alpha=0.99, reuse=0.99, reuse_noexit=0.99, source="test")
     proposer = AutoProposer(lambda s: pipe._proposer(pipe.concrete(config, s)), pipe._profile_costs(), optimistic)
-    assert proposer.strategy.mode != "ar"
+    assert proposer.strategy.mode != "ar", (proposer.costs, proposer.first_table.to_dict())
     settings = DecodeSettings(80, pipe.manifest.tokenizer.eos_token_ids, pipe.context_limit,
                               proposer.costs.max_gamma, sampler=GREEDY)
     try:
@@ -164,3 +164,180 @@ def test_replans_to_ar_when_acceptance_collapses(random_draft, pipelines):
     assert proposer.switches, "no re-plan"
     assert proposer.strategy.mode == "ar", proposer.report()
     assert proposer.report()["switches"][0]["new"].startswith("ar")
+
+
+# ---- the thread split (runtime/auto_threads.py) -------------------------------------------------------------------
+def split_costs(t: int, d: int, verify: float, draft1: float, contention: float = 1.0):
+    from mirrorsd.runtime.latency import SplitCosts
+
+    return SplitCosts(target_threads=t, draft_threads=d, verify_s=(verify,) * 7, exit_s=(0.001,) * 7,
+                      draft1_s=draft1, branch_fwd_s=1.2 * draft1, branch_batch=2, c_target=contention,
+                      c_draft=contention)
+
+
+def cache_profile(folder, splits, alpha: float):
+    """A profile with ``splits`` in the cache of ``folder`` on this machine's placement (what `mirrorsd devices
+    --profile` would have written), with a fixed acceptance."""
+    from mirrorsd import profile as profiles
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime.latency import Acceptance
+
+    with Pipeline.load(folder, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
+        path = profiles.cache_path(pipe.folder, {r: p.describe() for r, p in pipe.placements.items()})
+    profiles.save(profiles.Profile(kind="measured", machine="test", splits=tuple(splits), detail=({},) * len(splits),
+                                   acceptance=Acceptance(alpha, alpha, alpha, "test")), path)
+    return path
+
+
+def cores() -> int:
+    from mirrorsd.devices.backends import default_threads
+
+    n = default_threads()
+    if n < 2:
+        pytest.skip("one core: there is only one thread split")
+    return n
+
+
+def test_choose_split_by_hand():
+    """The split whose best strategy is fastest; the current one kept within KEEP_MARGIN; no acceptance: default."""
+    from mirrorsd.profile import Profile
+    from mirrorsd.runtime.auto_threads import choose_split
+    from mirrorsd.runtime.latency import Acceptance
+
+    both = split_costs(2, 2, verify=0.009, draft1=0.004, contention=2.0)  # ar 111 tok/s
+    one = split_costs(1, 1, verify=0.010, draft1=0.001)  # ar 100 tok/s; mirror hides its cheap draft
+    profile = Profile("measured", "test", (both, one))
+    good, useless = Acceptance(0.9, 0.9, 0.9, "test"), Acceptance(0.0, 0.0, 0.0, "test")
+    choice = choose_split(profile, good, (2, 2))
+    assert choice.threads == (1, 1) and choice.source == "profile", choice
+    assert choice.candidates["1+1"]["best"].startswith("mirror") and choice.candidates["2+2"]["best"].startswith("sd")
+    assert choose_split(profile, useless, (1, 1)).threads == (2, 2)  # ar: 111 > 1.05 x 100
+    close = Profile("measured", "test", (split_costs(2, 2, 0.0098, 0.004, 2.0), one))
+    kept = choose_split(close, useless, (1, 1))  # ar 102 vs 100 tok/s: inside the margin, no reload
+    assert kept.threads == (1, 1) and "kept" in kept.why
+    assert choose_split(profile, None, (2, 2)).source == "default"
+
+
+def test_auto_loads_the_thread_split_its_cached_profile_predicts_fastest(same_draft, tmp_path):
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import Pipeline
+
+    n = cores()
+    plan = DeviceRequest(plan_threads=True)
+    with Pipeline.load(same_draft, plan) as pipe:  # no profile cached yet: today's default
+        assert pipe.threads == (n, n) and pipe.thread_choice.source == "default"
+        assert "no cached profile" in pipe.thread_choice.why
+    cache_profile(same_draft, [split_costs(n, n, 0.009, 0.004, 2.0), split_costs(1, 1, 0.010, 0.001)], alpha=0.9)
+    with Pipeline.load(same_draft, DeviceRequest(target_threads=n, draft_threads=n, plan_threads=True)) as pipe:
+        assert pipe.threads == (n, n) and pipe.thread_choice.source == "given"  # explicit threads win
+    with Pipeline.load(same_draft, plan) as pipe:
+        assert pipe.threads == (1, 1), pipe.thread_choice
+        assert {s.backend.session.get_session_options().intra_op_num_threads for s in pipe.sessions.values()} == {1}
+        ar = generate(pipe, "ar")
+        auto = generate(pipe, "auto")
+        assert auto.tokens == ar.tokens
+        threads = auto.stats.auto["threads"]
+        assert threads["chosen"] == "1+1" and threads["source"] == "profile" and "mirror" in threads["why"]
+        assert set(threads["candidates"]) == {f"{n}+{n}", "1+1"}
+        assert auto.stats.to_dict()["auto"]["threads"]["chosen"] == "1+1"  # --json prints it
+    cache_profile(same_draft, [split_costs(n, n, 0.009, 0.004, 2.0), split_costs(1, 1, 0.010, 0.001)], alpha=0.0)
+    with Pipeline.load(same_draft, plan) as pipe:  # a useless draft: ar, on every core
+        assert pipe.threads == (n, n) and pipe.thread_choice.source == "profile"
+
+
+# ---- leaving ar (runtime/ar_probe.py) ---------------------------------------------------------------------------
+def run_auto(pipe, prior, tokens: int):
+    """Decode ``tokens`` with an AutoProposer planning from ``prior`` and probing the draft while in ar."""
+    from mirrorsd.runtime.ar_probe import ArProbe
+
+    config = GenerationConfig(max_new_tokens=tokens, chat=False)
+    proposer = AutoProposer(lambda s: pipe._proposer(pipe.concrete(config, s)), pipe._profile_costs(), prior,
+                            context=0, new_tokens=tokens, probe=ArProbe(pipe.draft))
+    settings = DecodeSettings(tokens, pipe.manifest.tokenizer.eos_token_ids, pipe.context_limit,
+                              proposer.costs.max_gamma, sampler=GREEDY)
+    seen = []
+    observe = proposer.observe
+    proposer.observe = lambda v, new, g: (seen.append(proposer.strategy.mode), observe(v, new, g))
+    try:
+        outcome = decode(pipe.target, proposer, pipe.encode(PROMPT, config), settings)
+    finally:
+        proposer.close()
+    reference = pipe.generate(PROMPT, GenerationConfig(mode="ar", max_new_tokens=tokens, chat=False)).tokens
+    return proposer, outcome, reference, seen
+
+
+def test_leaves_ar_when_the_probe_measures_a_good_draft(same_draft, single_thread):
+    """Told that the draft is useless, auto starts in ar; the probe then finds the draft right every time, and with
+    costs where speculation pays at that acceptance, auto leaves ar. Output = ar's, before and after."""
+    from dataclasses import replace
+
+    from mirrorsd.runtime.ar_probe import PROBE_STEPS
+
+    pipe = single_thread(same_draft)
+    measured = with_costs(pipe)
+    pessimistic = replace(measured.acceptance, alpha=0.0, reuse=0.0, reuse_noexit=0.0, source="test")
+    proposer, outcome, reference, seen = run_auto(pipe, pessimistic, 96)
+    assert outcome.tokens == reference
+    assert proposer.first.strategy.mode == "ar"
+    assert proposer.switches and proposer.switches[0].old.startswith("ar"), proposer.report()
+    assert proposer.switches[0].new.split()[0] in ("sd", "mirror", "mirror-noexit")
+    assert "ar probe" in proposer.switches[0].reason
+    assert seen[:PROBE_STEPS] == ["ar"] * PROBE_STEPS and seen[-1] != "ar"  # it left ar after the first probe
+    probe = proposer.report()["ar_probe"]
+    assert probe["rows"] >= PROBE_STEPS - 1 and probe["alpha"] > 0.9, probe
+    assert outcome.counters.accepted > 0
+
+
+def test_stays_in_ar_when_the_probe_measures_a_useless_draft(random_draft, single_thread):
+    from dataclasses import replace
+
+    pipe = single_thread(random_draft)
+    measured = with_costs(pipe)
+    proposer, outcome, reference, seen = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 96)
+    assert outcome.tokens == reference
+    assert not proposer.switches and set(seen) == {"ar"}, proposer.report()
+    probe = proposer.report()["ar_probe"]
+    assert probe["probes"] >= 2 and probe["alpha"] < 0.5, probe
+
+
+def test_leave_ar_needs_a_margin():
+    """Hysteresis: a speculative strategy predicted 5 % faster than ar does not make auto leave it; 15 % does."""
+    from mirrorsd.runtime.ar_probe import LEAVE_MARGIN, leave_ar
+    from mirrorsd.runtime.latency import Acceptance, Prediction, Table
+
+    def table(ratio):
+        return Table((Prediction(Strategy("sd", 2), 0.01 / ratio, 1.0), Prediction(Strategy("ar"), 0.01, 1.0)),
+                     Acceptance(0.5, 0.0))
+
+    assert LEAVE_MARGIN == pytest.approx(0.10)
+    assert leave_ar(table(1.05)) is None
+    assert leave_ar(table(1.15)).strategy.mode == "sd"
+    only_ar = Table((Prediction(Strategy("ar"), 0.01, 1.0),), Acceptance(0.5, 0.0))
+    assert leave_ar(only_ar) is None
+
+
+def test_no_probe_when_speculation_cannot_pay(same_draft, single_thread):
+    """A draft that costs as much as the target never pays, even when always right: auto does not probe it."""
+    from dataclasses import replace
+
+    pipe = single_thread(same_draft)
+    measured = with_costs(pipe)
+    costs = replace(pipe._profile_costs(), draft1_s=0.050, branch_fwd_s=0.060)
+    pipe.use_profile(replace(pipe.profile(), splits=(costs,), detail=({},)))
+    proposer, outcome, reference, _ = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 48)
+    assert outcome.tokens == reference
+    assert proposer.report()["ar_probe"] is None and not proposer.switches
+
+
+def test_no_probe_when_too_few_tokens_remain_for_a_switch_to_pay(same_draft, single_thread):
+    """The draft's prefill (30 ms per token here) is what a switch costs: at step 32 of 96 (32 tokens of context,
+    64 to come) even a perfect draft would not repay it, so auto does not spend a probe (itself a prefill) on it."""
+    from dataclasses import replace
+
+    pipe = single_thread(same_draft)
+    measured = with_costs(pipe, draft_prefill_s=0.030)
+    proposer, outcome, reference, seen = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 96)
+    assert outcome.tokens == reference and set(seen) == {"ar"}
+    probe = proposer.report()["ar_probe"]
+    assert probe is not None and probe["probes"] == 0, probe  # probing was on, and declined each time

@@ -119,3 +119,24 @@ def test_bench_runs_the_native_host_beside_python(tmp_path, exported, native_bui
     assert native["c-sd"].stats["steps"] == next(r for r in result.runs if r.mode == "sd").stats["steps"]
     section = markdown(result, "cmd").split("Python host vs C++ host")[1]
     assert "| ar |" in section and "| sd |" in section and "| mirror |" not in section  # no Python mirror here
+
+
+def test_bench_runs_auto_with_the_thread_split_its_profile_chooses(tmp_path, exported, monkeypatch):
+    """Without --threads, mode auto gets its own pipeline with the split the cached profile predicts fastest (here
+    1+1), while ar keeps every core; auto still emits ar's tokens."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_auto import cache_profile, cores, split_costs
+
+    monkeypatch.setenv("MIRRORSD_PROFILES", str(tmp_path / "profiles"))
+    folder = exported("llama", draft_layers=4)
+    n = cores()
+    cache_profile(folder, [split_costs(n, n, 0.009, 0.004, 2.0), split_costs(1, 1, 0.010, 0.001)], alpha=0.9)
+    options = BenchOptions(model=folder, modes=("ar", "auto"), questions=questions(tmp_path), categories=("coding",),
+                           per_category=1, max_new_tokens=16, output=tmp_path / "out", warmup=False, bandwidth=False)
+    result = run_bench(options, progress=False)
+    auto = [r for r in result.runs if r.mode == "auto"]
+    assert auto and all(r.parity == "identical" for r in auto)
+    assert all(r.stats["auto"]["threads"]["chosen"] == "1+1" for r in auto), auto[0].stats["auto"]["threads"]

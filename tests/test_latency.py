@@ -91,3 +91,53 @@ def test_startup_cost_is_spread_over_a_generation():
     again = rank([costs], Acceptance(alpha=0.8, reuse=0.0), (2,), context=2000, new_tokens=8,
                  current=Strategy("sd", 2))
     assert again.best_of("sd").step_s == pytest.approx(step_time(costs, Strategy("sd", 2), HALF))
+
+
+def test_mirror_waits_for_the_exit_when_the_prefix_is_known():
+    """With prefix times, the first branch batch starts when the exit's message arrives: E = c_target * (prefix +
+    exit); F = max(c_draft * draft1, E) + c_draft * g * branch_fwd."""
+    costs = SplitCosts(**{**COSTS.__dict__, "prefix_s": (0.010, 0.015, 0.020, 0.025, 0.030)})
+    # g4: V = 71.25 ms as above; E = 1.5 * (30 + 4) = 51 ms > 1.25 * 12 = 15 ms; F = 51 + 1.25 * 4 * 14 = 121 ms;
+    # a hit waits (121 - 71.25) / 1.25 = 39.8 ms; a miss waits 7 + 48 ms
+    assert step_time(costs, Strategy("mirror", 4), HALF) == pytest.approx(
+        0.07125 + 0.6 * 0.0398 + 0.4 * (0.007 + 0.048))
+    # without the exit head nothing is waited for: the same as without prefix times
+    assert step_time(costs, Strategy("mirror", 4, exit_head=False), HALF) == pytest.approx(
+        step_time(COSTS, Strategy("mirror", 4, exit_head=False), HALF))
+
+
+EXIT = SplitCosts(target_threads=1, draft_threads=1, verify_s=(0.040,) * 3, exit_s=(0.002,) * 3,
+                  prefix_s=(0.020,) * 3, draft1_s=0.010, branch_fwd_s=0.012, branch_batch=2)
+
+
+def test_exit_layer_table_by_hand():
+    """Exit measured at layer 14 of 28 (prefix 20 ms), reuse 0.6 with it and 0.4 without, trained top-4 0.2 / 0.4 /
+    0.6 at layers 7 / 14 / 21. gamma 2: V = 40 + 2 = 42 ms; a miss waits 6 + 2 * 10 = 26 ms.
+        L   reuse                     E (exit arrives)   F = max(10, E) + 24   hit wait            step
+        7   0.4 + 0.2 * 0.2/0.4 = 0.5   10 + 2 = 12       36 < 42              0.5 * 12 = 6 ms     42 + 3 + 13 = 58
+        14  0.6                         20 + 2 = 22       46                   46 - 42 = 4 ms      42 + 2.4 + 10.4 = 54.8
+        21  0.7                         30 + 2 = 32       56                   14 ms               42 + 9.8 + 7.8 = 59.6
+    The middle layer wins: a shallower exit names the token less often, a deeper one arrives too late."""
+    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table, interpolate, reuse_at
+
+    acceptance = Acceptance(alpha=0.5, reuse=0.6, reuse_noexit=0.4)
+    rows = exit_layer_table(EXIT, acceptance, {7: 0.2, 14: 0.4, 21: 0.6}, base_layer=14, gammas=(2,))
+    by_layer = {r.layer: r for r in rows}
+    assert [r.layer for r in rows] == [14, 7, 21]  # fastest first
+    for layer, reuse, arrival, step in ((7, 0.5, 0.012, 0.058), (14, 0.6, 0.022, 0.0548), (21, 0.7, 0.032, 0.0596)):
+        r = by_layer[layer]
+        assert (r.reuse, r.arrival_s, r.step_s) == pytest.approx((reuse, arrival, step)), layer
+        assert r.tokens_per_second == pytest.approx(1.75 / step)
+    assert interpolate({7: 0.2, 21: 0.6}, 14) == pytest.approx(0.4)
+    assert interpolate({7: 0.2, 21: 0.6}, 28) == pytest.approx(0.6)
+    assert reuse_at(1.0, 0.4, 0.6, 0.4) == pytest.approx(0.9)
+    assert reuse_at(0.0, 0.0, 0.6, 0.4) == pytest.approx(0.6)  # no slope to scale: the measured reuse
+    text = format_exit_table(rows, layers=28)
+    assert "best exit layer: 14" in text and "| 21/28 |" in text and "PREDICTED" in text
+
+
+def test_exit_layer_needs_the_prefix_time():
+    from mirrorsd.runtime.exit_layer import exit_layer_table
+
+    with pytest.raises(ValueError, match="prefix_s"):
+        exit_layer_table(COSTS, HALF, {7: 0.2, 14: 0.4}, base_layer=14)

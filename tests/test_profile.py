@@ -85,3 +85,115 @@ def test_devices_profile_measures_caches_and_prints_the_table(exported, capsys):
         assert s.draft1_s > 0 and s.branch_fwd_s > 0 and s.c_target >= 1 and s.c_draft >= 1
     assert main(["devices", "--model", str(folder), "--threads", "1"]) == 0  # read back, nothing measured
     assert "PREDICTED" in capsys.readouterr().out
+
+
+def with_sparse_exit(folder: Path, out: Path) -> Path:
+    """A copy of export ``folder`` with an (untrained) sparse exit head beside its full one, as mirrorsd-train-exit
+    writes it."""
+    import shutil
+    from dataclasses import replace as dc_replace
+
+    import onnx
+
+    from mirrorsd import names
+    from mirrorsd.export.early_exit import graph
+    from mirrorsd.export.early_exit.train import _sparse_spec
+    from mirrorsd.manifest import load_manifest
+
+    shutil.copytree(folder, out)
+    manifest = load_manifest(out)
+    head = onnx.load(str(out / manifest.graph(names.EXIT_HEAD).file))
+    weight, bias = graph.head_weight(head, manifest.target.hidden_size)
+    spec = _sparse_spec(manifest)
+    onnx.save(graph.sparse_head(head, weight, bias), str(out / spec.file))
+    dc_replace(manifest, graphs={**manifest.graphs, names.EXIT_SPARSE: spec}).save(out)
+    return out
+
+
+def test_profile_times_the_sparse_exit_head_when_the_folder_has_one(exported, tmp_path):
+    """Mirror-SD runs the sparse exit head where the folder has one: the profile's exit_s is that head's time (its
+    session ran during the measurement), and the full head's time is kept beside it in the detail."""
+    from mirrorsd import names
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime.profiling import measure_split
+
+    folder = with_sparse_exit(exported("llama", draft_layers=4), tmp_path / "sparse")
+    with Pipeline.load(folder, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
+        assert pipe.target.exit_sparse is not None
+        sparse_runs = pipe.sessions[names.EXIT_SPARSE].timeline  # shared with the target's other graphs
+        full = pipe.sessions[names.EXIT_HEAD]
+        calls = {"sparse": 0, "full": 0}
+        for key, session in (("sparse", pipe.sessions[names.EXIT_SPARSE]), ("full", full)):
+            run = session.run
+
+            def counted(feeds, run=run, key=key):
+                calls[key] += 1
+                return run(feeds)
+
+            session.run = counted
+        costs, detail = measure_split(pipe, max_gamma=2, repeats=2)
+        assert sparse_runs is pipe.target_timeline
+    assert detail["exit_head"] == "sparse" and "sparse exit head" in costs.label
+    assert len(detail["exit_full_s"]) == len(costs.exit_s) == 3
+    widths, rounds = 3, 2 + 1  # warm-up included
+    assert calls["sparse"] >= widths * rounds  # exit_s: the sparse head, at every width
+    assert calls["full"] == widths * rounds  # the full head only for the detail's exit_full_s
+    assert detail["exit_layer"] == pipe.manifest.exit_layer and detail["layers"] == 4
+
+
+def test_profile_without_a_sparse_head_times_the_full_one(exported):
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime.profiling import measure_split
+
+    with Pipeline.load(exported("llama", draft_layers=4), DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
+        costs, detail = measure_split(pipe, max_gamma=2, repeats=1)
+    assert detail["exit_head"] == "full" and "exit_full_s" not in detail and "full exit head" in costs.label
+
+
+def test_plan_prints_the_exit_layer_table(tmp_path, capsys):
+    """`mirrorsd plan --exit-hits SWEEP.json`: Mirror-SD's predicted speed per exit layer from the profile's prefix
+    times, and the best layer; a split without prefix times says what it lacks."""
+    from mirrorsd.cli import main
+    from mirrorsd.runtime.exit_layer import exit_layer_table, read_hits
+
+    data = json.loads((DOCS / "rtx4060-laptop-npu.json").read_text())
+    split = data["splits"][0]
+    with_prefix = {**split, "prefix_s": [v / 2 for v in split["verify_s"]], "detail": {"exit_layer": 24, "layers": 48}}
+    data["splits"] = [with_prefix, {**split, "name": "no-prefix"}]
+    profile_file = tmp_path / "profile.json"
+    profile_file.write_text(json.dumps(data))
+    sweep = {"layers": 48, "results": [{"layer": L, "trained": {"1": h / 2, "4": h, "8": h}, "untrained": {}}
+                                       for L, h in ((12, 0.2), (24, 0.45), (36, 0.7))]}
+    sweep_file = tmp_path / "sweep.json"
+    sweep_file.write_text(json.dumps(sweep))
+    assert main(["plan", "--profile", str(profile_file), "--exit-hits", str(sweep_file)]) == 0
+    out = capsys.readouterr().out
+    assert "Mirror-SD against the exit layer (PREDICTED" in out and "| 36/48 |" in out
+    assert "no-prefix: no exit-layer table" in out
+    loaded = profiles.load(profile_file)
+    hits, _ = read_hits(sweep)
+    best = exit_layer_table(loaded.splits[0], loaded.acceptance, hits, 24)[0]
+    assert f"best exit layer: {best.layer} ({best.tokens_per_second:.1f} tok/s" in out
+    bad = {**data, "splits": [{**with_prefix, "prefix_s": [1.0] * 7}]}
+    with pytest.raises(ProfileError, match="prefix_s"):
+        profiles.from_json(bad)
+
+
+def test_exit_layer_sweep_suggests_the_latency_models_layer(tmp_path):
+    """scripts/exit_layer_sweep.py's suggestion is the latency model's best layer (no heuristic)."""
+    import importlib.util
+
+    pytest.importorskip("torch")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "exit_layer_sweep.py"
+    spec = importlib.util.spec_from_file_location("exit_layer_sweep", script)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    data = json.loads((DOCS / "rtx4060-laptop-npu.json").read_text())
+    split = data["splits"][0]
+    data["splits"] = [{**split, "prefix_s": [v / 2 for v in split["verify_s"]], "detail": {"exit_layer": 24}}]
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    text = sweep.suggestion(tmp_path / "p.json", None, {12: 0.2, 24: 0.45, 36: 0.7}, 48)
+    assert "best exit layer:" in text and "PREDICTED" in text
+    assert "pass --profile" in sweep.suggestion(None, None, {12: 0.2}, 48)
