@@ -17,7 +17,8 @@ from mirrorsd.runtime import kernels
 
 ort = pytest.importorskip("onnxruntime")
 PATHS = ("avx512vnni", "avx2", "scalar")
-ROWS = (1, 2, 3, 5, 8, 13)
+# every tile shape of every path (tiles of at most 6 rows on AVX2, 8 on AVX-512 VNNI) and uneven splits into tiles
+ROWS = (*range(1, 10), 13, 17)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,21 @@ def test_paths_agree_bit_for_bit(lib, bits, monkeypatch):
     outputs = {p: run(open_session(model, monkeypatch, 2, isa=p), a) for p in runnable}
     for p in runnable[1:]:
         np.testing.assert_array_equal(outputs[p], outputs[runnable[0]], err_msg=f"{p} vs {runnable[0]}")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_row_count_equals_the_scalar_path(lib, bits, monkeypatch):
+    fast = [p for p in PATHS if p != "scalar" and lib.paths.get(p)]
+    if not fast:
+        pytest.skip("this CPU runs no SIMD path")
+    rng = np.random.default_rng(20 + bits)
+    model = model_bytes(random_layers(rng, [200, 100, 36], bits, bias=True), kernels.DOMAIN)  # partial groups
+    a = rng.standard_normal((max(ROWS), 200)).astype(np.float32)
+    scalar = open_session(model, monkeypatch, 1, isa="scalar")
+    for path in fast:
+        session = open_session(model, monkeypatch, 2, isa=path)
+        for m in ROWS:
+            np.testing.assert_array_equal(run(session, a[:m]), run(scalar, a[:m]), err_msg=f"{path} M={m}")
 
 
 def special_rows(K: int) -> np.ndarray:

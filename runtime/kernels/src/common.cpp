@@ -29,17 +29,16 @@ void quantize_block_scalar(const float* a, int64_t n, int zero_point, int8_t* q,
 void quantize_rows(const Path& path, const float* a, int64_t rows, const Shape& shape, QuantizedRows& out) {
   out.rows = rows;
   out.kb = shape.kb;
-  out.kpad = shape.kb * kBlock;
-  out.q.resize(static_cast<size_t>(rows * out.kpad));
+  out.q.resize(static_cast<size_t>(rows * shape.kb * kBlock));
   out.scale.resize(static_cast<size_t>(rows * shape.kb));
   out.corr.resize(static_cast<size_t>(rows * shape.kb));
   for (int64_t m = 0; m < rows; ++m) {
     const float* row = a + m * shape.K;
     for (int64_t b = 0; b < shape.kb; ++b) {
-      const int64_t n = std::min(kBlock, shape.K - b * kBlock);
-      (n == kBlock ? path.quantize_block : quantize_block_scalar)(
-          row + b * kBlock, n, shape.zero_point(), out.q.data() + m * out.kpad + b * kBlock,
-          out.scale.data() + m * shape.kb + b, out.corr.data() + m * shape.kb + b);
+      const int64_t n = std::min(kBlock, shape.K - b * kBlock), at = b * rows + m;
+      (n == kBlock ? path.quantize_block : quantize_block_scalar)(row + b * kBlock, n, shape.zero_point(),
+                                                                  out.q.data() + at * kBlock, out.scale.data() + at,
+                                                                  out.corr.data() + at);
     }
   }
 }
@@ -105,14 +104,13 @@ void scalar_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, 
                  const float* bias, float* y) {
   const float* scales = reinterpret_cast<const float*>(packed + s.N * s.kb * s.blob());
   for (int64_t m = 0; m < a.rows; ++m) {
-    const int8_t* q = a.row_q(m);
     for (int64_t n = g0; n < g1; ++n) {
       float acc = 0.0f;
       for (int64_t blk = 0; blk < s.kb; ++blk) {
-        int32_t d = a.row_corr(m)[blk];  // -zero_point * sum(q): with it, d = sum (w - zero_point) * q
-        for (int64_t k = 0; k < kBlock; ++k)
-          d += static_cast<int32_t>(weight(s, packed, n, blk, k)) * q[blk * kBlock + k];
-        const float both = scales[n * s.kb + blk] * a.row_scale(m)[blk];
+        const int8_t* q = a.block_q(m, blk);
+        int32_t d = a.block_corr(m, blk);  // -zero_point * sum(q): with it, d = sum (w - zero_point) * q
+        for (int64_t k = 0; k < kBlock; ++k) d += static_cast<int32_t>(weight(s, packed, n, blk, k)) * q[k];
+        const float both = scales[n * s.kb + blk] * a.block_scale(m, blk);
         acc = std::fma(static_cast<float>(d), both, acc);
       }
       y[m * s.N + n] = bias ? acc + bias[n] : acc;

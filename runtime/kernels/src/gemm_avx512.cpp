@@ -69,8 +69,8 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
     __m512i d[MT][C];
     const int8_t* q[MT];
     for (int m = 0; m < MT; ++m) {
-      q[m] = a.row_q(m0 + m) + blk * kBlock;
-      d[m][0] = _mm512_set1_epi32(a.row_corr(m0 + m)[blk]);  // -zero_point * sum(q): d = sum (w - zp) * q
+      q[m] = a.block_q(m0 + m, blk);
+      d[m][0] = _mm512_set1_epi32(a.block_corr(m0 + m, blk));  // -zero_point * sum(q): d = sum (w - zp) * q
       for (int c = 1; c < C; ++c) d[m][c] = _mm512_setzero_si512();
     }
     for (int v = 0; v < 8; ++v)  // rows innermost: consecutive vpdpbusd are independent
@@ -78,7 +78,7 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
     const __m512 wscale = _mm512_load_ps(reinterpret_cast<const float*>(p + wbytes));
     for (int m = 0; m < MT; ++m) {
       for (int c = 1; c < C; ++c) d[m][0] = _mm512_add_epi32(d[m][0], d[m][c]);
-      const __m512 both = _mm512_mul_ps(wscale, _mm512_set1_ps(a.row_scale(m0 + m)[blk]));
+      const __m512 both = _mm512_mul_ps(wscale, _mm512_set1_ps(a.block_scale(m0 + m, blk)));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[m][0]), both, acc[m]);
     }
   }

@@ -31,15 +31,16 @@ struct Shape {
   int64_t blob() const { return kBlock * bits / 8; }  // bytes of one block of one column in ONNX Runtime's layout
 };
 
-// A's rows quantized per block of 32 (step 1 above); K is padded with zeros to kb * 32.
+// A's rows quantized per block of 32 (step 1 above); K is padded with zeros to kb * 32. Block-major: a block's rows
+// lie side by side, so a tile of rows reads one pointer per block at fixed offsets (row m of a tile at + 32 m).
 struct QuantizedRows {
-  int64_t rows = 0, kpad = 0, kb = 0;
-  std::vector<int8_t> q;      // [rows][kpad]
-  std::vector<float> scale;   // [rows][kb]   s of each block
-  std::vector<int32_t> corr;  // [rows][kb]   -zero_point * sum of q over the block
-  const int8_t* row_q(int64_t m) const { return q.data() + m * kpad; }
-  const float* row_scale(int64_t m) const { return scale.data() + m * kb; }
-  const int32_t* row_corr(int64_t m) const { return corr.data() + m * kb; }
+  int64_t rows = 0, kb = 0;
+  std::vector<int8_t> q;      // [kb][rows][32]
+  std::vector<float> scale;   // [kb][rows]   s of each block
+  std::vector<int32_t> corr;  // [kb][rows]   -zero_point * sum of q over the block
+  const int8_t* block_q(int64_t m, int64_t blk) const { return q.data() + (blk * rows + m) * kBlock; }
+  float block_scale(int64_t m, int64_t blk) const { return scale[static_cast<size_t>(blk * rows + m)]; }
+  int32_t block_corr(int64_t m, int64_t blk) const { return corr[static_cast<size_t>(blk * rows + m)]; }
 };
 
 // One block of one row (step 1): n <= 32 values of a; q gets 32 bytes (zeros past n).
@@ -97,10 +98,13 @@ void interleaved_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows
   static constexpr auto tiles8 = tile_table<K, 8>(std::make_integer_sequence<int, K::kMaxTile>());
   const auto& tiles = s.bits == 4 ? tiles4 : tiles8;
   const int64_t panel_bytes = s.kb * (K::kWidth * kBlock * s.bits / 8 + K::kWidth * 4);
+  // the fewest tiles that cover the rows, as even as possible (9 rows with tiles of 8 at most: 5 + 4, not 8 + 1)
+  const int64_t count = (a.rows + K::kMaxTile - 1) / K::kMaxTile;
   for (int64_t g = g0; g < g1; ++g)
-    for (int64_t m0 = 0; m0 < a.rows; m0 += K::kMaxTile) {
-      const int64_t rows = a.rows - m0 < K::kMaxTile ? a.rows - m0 : K::kMaxTile;
+    for (int64_t t = 0, m0 = 0; t < count; ++t) {
+      const int64_t rows = a.rows / count + (t < a.rows % count ? 1 : 0);
       tiles[rows - 1](s, packed + g * panel_bytes, a, m0, g * K::kWidth, bias, y);
+      m0 += rows;
     }
 }
 
