@@ -44,6 +44,8 @@ SYNTAX = "auto, cpu, cuda, dml, openvino:CPU|GPU|NPU, ort-openvino:CPU|GPU|NPU"
 FIXED_SHAPE_KINDS = ("NPU",)  # devices that compile static shapes only
 log = logging.getLogger("mirrorsd.devices")
 
+KERNELS_MARK = "[mirrorsd kernels]"  # in describe(): the profile cache keys on it (mirrorsd/profile.py)
+
 
 def auto_skips(label: str, report: DeviceReport) -> str:
     """Devices auto does not pick although they work here (why, or ""). The one place this policy lives: the issue
@@ -305,7 +307,7 @@ class Placement:
 
     def describe(self) -> str:
         shapes = " [static shapes]" if self.static else ""
-        kernels = " [mirrorsd kernels]" if self.kernels == "mirrorsd" else ""
+        kernels = f" {KERNELS_MARK}" if self.kernels == "mirrorsd" else ""
         note = f" (fell back: {self.reason})" if self.fell_back else ""
         return f"{self.backend}:{self.effective}{shapes}{kernels}{note}"
 

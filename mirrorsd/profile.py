@@ -159,13 +159,19 @@ def save(profile: Profile, path: Path) -> Path:
 
 def cache_path(folder: Path, placement: dict[str, str]) -> Path:
     """Where the measured profile of export ``folder`` on this device set is cached: one file per export (by its
-    manifest's hash) and placement (what runs each graph, kernels included); every thread split lives inside."""
+    manifest's hash) and placement (what runs each graph, kernels included, and for mirrorsd's kernels which build
+    and path: a rebuilt kernel library is measured again); every thread split lives inside."""
+    from mirrorsd.devices.placement import KERNELS_MARK
     from mirrorsd.names import MANIFEST_FILE
     from mirrorsd.weights import default_cache_dir
 
     folder = Path(folder).resolve()
     digest = hashlib.sha256((folder / MANIFEST_FILE).read_bytes())
     digest.update(json.dumps(sorted(placement.items())).encode())
+    if any(KERNELS_MARK in where for where in placement.values()):
+        from mirrorsd.runtime import kernels
+
+        digest.update(str(kernels.build_id()).encode())
     digest.update(str(folder).encode())
     root = Path(os.environ[CACHE_ENV]).expanduser() if os.environ.get(CACHE_ENV) else default_cache_dir() / "profiles"
     return root / f"{folder.name}-{digest.hexdigest()[:16]}.json"

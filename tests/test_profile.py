@@ -197,3 +197,22 @@ def test_exit_layer_sweep_suggests_the_latency_models_layer(tmp_path):
     text = sweep.suggestion(tmp_path / "p.json", None, {12: 0.2, 24: 0.45, 36: 0.7}, 48)
     assert "best exit layer:" in text and "PREDICTED" in text
     assert "pass --profile" in sweep.suggestion(None, None, {12: 0.2}, 48)
+
+
+def test_profile_cache_is_per_kernel_build(tmp_path, monkeypatch):
+    """A profile measured with one build of mirrorsd's kernel library is not read for another (a kernel change can
+    move the costs by half); placements without those kernels do not depend on the build."""
+    from mirrorsd.runtime import kernels
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "mirrorsd.json").write_text("{}")
+    monkeypatch.setenv(profiles.CACHE_ENV, str(tmp_path / "profiles"))
+    with_kernels = {"prefix": "ort:CPU [mirrorsd kernels]", "draft": "ort:CPU [mirrorsd kernels]"}
+    without = {"prefix": "ort:CPU", "draft": "ort:CPU"}
+    paths = {}
+    for build in ("avx2/aaaa", "avx2/bbbb"):
+        monkeypatch.setattr(kernels, "build_id", lambda build=build: build)
+        paths[build] = (profiles.cache_path(folder, with_kernels), profiles.cache_path(folder, without))
+    assert paths["avx2/aaaa"][0] != paths["avx2/bbbb"][0]
+    assert paths["avx2/aaaa"][1] == paths["avx2/bbbb"][1]

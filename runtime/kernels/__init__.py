@@ -24,7 +24,7 @@ ISA_ENV = "MIRRORSD_KERNELS_ISA"
 REPLACE_KEY = "mirrorsd_kern.replace_com_microsoft"  # session config entry read by the library at registration
 
 __all__ = ["DOMAIN", "ORT_DOMAIN", "ISA_ENV", "REPLACE_KEY", "KernelLibrary", "KernelsUnavailableError",
-           "external_data_config", "library", "read_switched", "register", "switch_domain", "unavailable_reason",
+           "build_id", "external_data_config", "library", "read_switched", "register", "switch_domain", "unavailable_reason",
            "usable_library"]
 
 
@@ -36,6 +36,16 @@ def usable_library() -> KernelLibrary:
                                       "it has neither AVX-512 VNNI nor AVX2 with FMA, and the scalar reference path "
                                       "is slower than ONNX Runtime's kernel", "run with ONNX Runtime's kernels")
     return built
+
+
+def build_id() -> str | None:
+    """Which build of the library and which path of it sessions here run (e.g. "avx2/3f9c0e1d2a4b5c6d"), or None
+    when they cannot: a profile measured with one build does not describe another (mirrorsd/profile.py)."""
+    try:
+        built = usable_library()
+    except KernelsUnavailableError:
+        return None
+    return f"{built.fast_path}/{built.path.parent.name}"
 
 
 def unavailable_reason() -> str | None:
