@@ -66,7 +66,8 @@ class OnlineStats:
 
 
 def blend(old: Acceptance, new: Acceptance, weight: float = 0.5) -> Acceptance:
-    """What the next generation plans from: ``new`` (one generation's measurement) averaged into ``old``."""
+    """What the next generation plans from: ``new`` (one generation's measurement) averaged into ``old`` with
+    ``weight`` (running_weight: a running mean over the generations, the calibration counting as its prompts)."""
     if new.source != "online":
         return old
 
@@ -75,6 +76,13 @@ def blend(old: Acceptance, new: Acceptance, weight: float = 0.5) -> Acceptance:
 
     return Acceptance(mix(old.alpha, new.alpha), mix(old.reuse, new.reuse), mix(old.reuse_noexit, new.reuse_noexit),
                       "calibration + online")
+
+
+def running_weight(generations: int, calibration_prompts: int) -> float:
+    """The weight of the ``generations``-th measured generation (1, 2, ...) in a running mean that starts from a
+    calibration over ``calibration_prompts`` prompts. Acceptance differs widely between prompts (code vs prose), so
+    the previous generation alone (a fixed weight of 0.5) is a poor prior for the next one."""
+    return 1.0 / (generations + max(calibration_prompts, 1))
 
 
 @dataclass(frozen=True)
@@ -267,6 +275,15 @@ class AutoProposer:
         if counters is not None and hasattr(counters, "branches"):
             self.branches += counters.branches
             counters.branches = 0
+
+    def measured_acceptance(self) -> Acceptance:
+        """What this generation measured, for the next one's prior: its speculative steps' acceptance, else (it
+        stayed in ar) the alpha its ar probes measured; the prior where it measured neither."""
+        online = self.online.acceptance(self.prior)
+        alpha = self.probe.total.alpha if self._probing else None
+        if online.source == "online" or alpha is None:
+            return online
+        return Acceptance(alpha, self.prior.reuse, self.prior.reuse_noexit, "online")
 
     def report(self) -> dict:
         """What it chose and why, for the statistics and --json."""

@@ -22,7 +22,7 @@ from mirrorsd.errors import GenerationInputError
 from mirrorsd.manifest import Manifest, load_manifest
 from mirrorsd.runtime import auto_threads, limits
 from mirrorsd.runtime.ar_probe import ArProbe
-from mirrorsd.runtime.auto import AutoProposer, blend
+from mirrorsd.runtime.auto import AutoProposer, blend, running_weight
 from mirrorsd.runtime.config import AUTO, GenerationConfig
 from mirrorsd.runtime.latency import Strategy
 from mirrorsd.runtime.decoder import DecodeSettings, decode
@@ -69,6 +69,7 @@ class Pipeline:
         self.draft_timeline = sessions[names.DRAFT].timeline
         self._profile = None  # mode auto: this export's measured profile (runtime/profiling.py), loaded once
         self._acceptance = None  # mode auto: the acceptance the last generations measured (else the profile's)
+        self._measured_generations = 0  # mode auto: generations whose acceptance went into _acceptance
         self.thread_choice = auto_threads.default(threads, "threads not planned (DeviceRequest.plan_threads off)")
 
     @classmethod
@@ -292,8 +293,12 @@ class Pipeline:
             outcome.counters.branches_rolled_out = proposer.counters.branches
         elif isinstance(proposer, AutoProposer):
             outcome.counters.branches_rolled_out = proposer.branches
-            # the next generation plans from this one's acceptance, averaged into what was known
-            self._acceptance = blend(proposer.prior, proposer.online.acceptance(proposer.prior))
+            # the next generation plans from this one's acceptance, in a running mean with what was known
+            online = proposer.measured_acceptance()
+            if online.source == "online":
+                self._measured_generations += 1
+            weight = running_weight(self._measured_generations, self._profile.calibration.get("prompts", 1))
+            self._acceptance = blend(proposer.prior, online, weight)
             auto = {**proposer.report(), "threads": self.thread_choice.to_dict()}
         placement = {role: p.describe() for role, p in self.placements.items()}
         stats = summarize(config.mode, outcome.counters, len(ids), len(outcome.tokens), outcome.seconds,

@@ -299,6 +299,23 @@ def test_stays_in_ar_when_the_probe_measures_a_useless_draft(random_draft, singl
     assert not proposer.switches and set(seen) == {"ar"}, proposer.report()
     probe = proposer.report()["ar_probe"]
     assert probe["probes"] >= 2 and probe["alpha"] < 0.5, probe
+    carried = proposer.measured_acceptance()  # what the next generation's prior takes from this one: the probe's
+    assert carried.source == "online" and carried.alpha == pytest.approx(probe["alpha"], abs=1e-4)
+
+
+def test_the_prior_is_a_running_mean_over_generations():
+    """Hand-computed: a calibration over 6 prompts at alpha 0.6, then generations at 0.9 and 0.3: each counts as
+    one prompt, so the priors are (6 * 0.6 + 0.9) / 7 and (6 * 0.6 + 0.9 + 0.3) / 8 (the old fixed weight 0.5 gave
+    0.75, then 0.525: the last prompt's acceptance, not the pair's)."""
+    from mirrorsd.runtime.auto import blend, running_weight
+    from mirrorsd.runtime.latency import Acceptance
+
+    prior = Acceptance(0.6, 0.5, 0.5, "calibration")
+    after_one = blend(prior, Acceptance(0.9, 0.5, 0.5, "online"), running_weight(1, 6))
+    assert after_one.alpha == pytest.approx((6 * 0.6 + 0.9) / 7)
+    after_two = blend(after_one, Acceptance(0.3, 0.5, 0.5, "online"), running_weight(2, 6))
+    assert after_two.alpha == pytest.approx((6 * 0.6 + 0.9 + 0.3) / 8)
+    assert blend(after_two, Acceptance(0.1, 0.1, 0.1, "calibration"), running_weight(3, 6)) == after_two
 
 
 def test_leave_ar_needs_a_margin():

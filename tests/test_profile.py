@@ -85,6 +85,31 @@ def test_devices_profile_measures_caches_and_prints_the_table(exported, capsys):
         assert s.draft1_s > 0 and s.branch_fwd_s > 0 and s.c_target >= 1 and s.c_draft >= 1
     assert main(["devices", "--model", str(folder), "--threads", "1"]) == 0  # read back, nothing measured
     assert "PREDICTED" in capsys.readouterr().out
+    from mirrorsd.runtime.profiling import CALIBRATION_PROMPTS
+
+    assert profile.calibration["prompts"] == len(CALIBRATION_PROMPTS) == 6  # one per SpecBench category
+
+
+def test_an_acceptance_calibrated_on_other_prompts_is_measured_again(exported):
+    """A cached profile whose acceptance came from another prompt set (an older mirrorsd's two prompts) is
+    calibrated again; its measured costs are kept."""
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime.profiling import CALIBRATION_PROMPTS
+
+    folder = exported("llama", draft_layers=4)
+    with Pipeline.load(folder, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
+        first = pipe.profile()
+        path = next(Path(os.environ["MIRRORSD_PROFILES"]).glob("*.json"))
+        data = json.loads(path.read_text())
+        data["calibration"]["prompts"] = 2
+        data["acceptance"]["alpha"] = 0.123
+        path.write_text(json.dumps(data))
+        pipe._profile = None  # forget the loaded one: read the cache as a new process would
+        again = pipe.profile()
+    assert again.calibration["prompts"] == len(CALIBRATION_PROMPTS)
+    assert again.acceptance.alpha != 0.123 and again.acceptance.source == "calibration"
+    assert again.splits[0].verify_s == first.splits[0].verify_s  # the costs were not measured again
 
 
 def with_sparse_exit(folder: Path, out: Path) -> Path:
