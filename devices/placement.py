@@ -82,8 +82,9 @@ class DeviceRequest:
     target_openvino: OpenVINOTuning = OpenVINOTuning(attention="fused", stateful=True, kv_precision="f16")
     draft_openvino: OpenVINOTuning = OpenVINOTuning(attention="as-exported")
     kernels: str = AUTO  # MatMulNBits on ONNX Runtime CPU: auto | mirrorsd | ort (devices/kernel_choice.py)
-    # Mode auto: with no threads given, take the split the cached profile predicts fastest (runtime/auto_threads.py)
-    plan_threads: bool = False
+    # Mode auto: take the placement (of the models left on auto) and the thread split (when no threads are given)
+    # that the cached profiles predict fastest (runtime/auto_placement.py, runtime/auto_threads.py)
+    plan_from_profile: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,17 @@ class PlacementPolicy:
             raise DeviceError(f"Device '{requested}' for the {model} is not available", why, fix)
         return Decision(model, requested, choice, self._static(model, choice, static_requested))
 
+    def candidates(self, model: str, requested: str, static_available: bool = False,
+                   static_requested: bool = False) -> list[str]:
+        """The devices ``requested`` allows for ``model`` here: itself when explicit; for ``auto`` every entry of
+        the chain that works here, the ones auto does not pick by default (auto_skips) included: a measured
+        profile decides between them (runtime/auto_placement.py)."""
+        if requested.strip().lower() != AUTO:
+            return [requested]
+        return [label for label in CHAINS[model]
+                if not unavailable(parse_device(label), self.report)
+                and not self._shape_problem(model, parse_device(label), static_available, static_requested)]
+
     def _auto(self, model: str, static_available: bool, static_requested: bool) -> Decision:
         skipped, unexpected = [], []
         for label in CHAINS[model]:
@@ -294,6 +306,18 @@ def plan_placement(manifest, request: DeviceRequest, policy: PlacementPolicy | N
     return plan
 
 
+def placement_candidates(manifest, request: DeviceRequest, policy: PlacementPolicy | None = None
+                         ) -> list[tuple[str, str]]:
+    """Every (target, draft) device pair ``request`` allows here (PlacementPolicy.candidates), the default first."""
+    policy = policy or PlacementPolicy()
+    static_available = names.DRAFT_STATIC in manifest.graphs
+    default = plan_placement(manifest, request, policy, warn=False)
+    first = (default.target.choice.label, default.draft.choice.label)
+    pairs = [(t, d) for t in policy.candidates("target", request.target)
+             for d in policy.candidates("draft", request.draft, static_available, request.static_draft)]
+    return [first] + [pair for pair in pairs if pair != first]
+
+
 @dataclass(frozen=True)
 class Placement:
     model: str  # "target" or "draft"
@@ -304,6 +328,7 @@ class Placement:
     reason: str = ""
     static: bool = False  # the fixed-shape draft graph
     kernels: str = "ort"  # whose MatMulNBits kernel runs it (ONNX Runtime CPU only)
+    device: str = ""  # the device string it was placed on ("cpu", "openvino:CPU", ...): what reopens it there
 
     def describe(self) -> str:
         shapes = " [static shapes]" if self.static else ""
@@ -344,7 +369,7 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
         fell_back, reason = True, "; ".join(r for r in (reason, lost) if r)
         warnings.warn(f"{model}: {lost}", DeviceFallbackWarning, stacklevel=2)
     return session, Placement(model, decision.requested, session.effective, choice.backend, fell_back, reason,
-                              decision.static, getattr(session, "kernels", "ort"))
+                              decision.static, getattr(session, "kernels", "ort"), choice.label)
 
 
 def kv_pairs(kv) -> tuple[tuple[str, str], ...]:

@@ -169,23 +169,22 @@ def own_threads(options: BenchOptions) -> int:
 
 @contextlib.contextmanager
 def _auto_pipeline(options: BenchOptions, modes: list[str], devices, pipe):
-    """The pipeline mode auto runs in: with no --threads, its own one with the thread split the cached profile
-    predicts fastest (runtime/auto_threads.py), when that differs from the other modes' split; else ``pipe``."""
+    """The pipeline mode auto runs in: its own one with the placement and thread split the cached profiles predict
+    fastest (runtime/auto_placement.py), when that differs from the other modes' pipeline; else ``pipe``."""
     from dataclasses import replace
 
     from mirrorsd.runtime import Pipeline
 
-    if "auto" not in modes or options.target_threads or options.draft_threads:
+    if "auto" not in modes:
         yield pipe
         return
-    choice = pipe._cached_thread_choice()
-    if choice.threads == pipe.threads:
-        pipe.thread_choice = choice
+    request, choice = pipe.planned_request(replace(devices, plan_from_profile=True))
+    if request is None:
+        pipe.thread_choice, pipe.placement_choice = choice.threads, choice
         yield pipe
         return
-    with Pipeline.load(options.model, replace(devices, target_threads=choice.threads[0],
-                                              draft_threads=choice.threads[1])) as own:
-        own.thread_choice = choice
+    with Pipeline.load(options.model, replace(request, plan_from_profile=False)) as own:
+        own.thread_choice, own.placement_choice = choice.threads, choice
         yield own
 
 

@@ -177,7 +177,7 @@ def _generate(args) -> int:
 
     config = generation_config(args)
     devices = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
-                            kernels=args.kernels, plan_threads=config.mode == "auto")
+                            kernels=args.kernels, plan_from_profile=config.mode == "auto")
     with Pipeline.load(args.model, devices) as pipe:
         on_text = None if args.json else write_stdout
         result = pipe.generate(args.prompt, config, on_text)

@@ -112,29 +112,63 @@ def splits_to_profile(threads: int | None) -> list[tuple[int, int]]:
 
 
 def devices_table(args, measure: bool) -> int:
-    """``mirrorsd devices --model EXPORT [--profile]``: measure (or read) the profile, print the predicted table."""
-    from mirrorsd import profile as profiles
-    from mirrorsd.devices.placement import DeviceRequest
+    """``mirrorsd devices --model EXPORT [--profile]``: measure (or read) the profile of every placement the device
+    flags allow here, print each one's predicted table and the placement and split mode auto would load."""
+    from mirrorsd.devices.placement import DeviceRequest, placement_candidates
+    from mirrorsd.manifest import load_manifest
+    from mirrorsd.runtime import Pipeline
+
+    request = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
+                            kernels=args.kernels)
+    if measure:
+        for pair in placement_candidates(load_manifest(args.model), request):
+            _measure_placement(args, replace(request, target=pair[0], draft=pair[1]))
+    with Pipeline.load(args.model, request) as pipe:
+        _, choice = pipe.planned_request(replace(request, plan_from_profile=True))
+        tables = _cached_tables(pipe, choice)
+    if not tables:
+        print(f"\nNo profile of this export on this machine yet: run `mirrorsd devices --profile --model "
+              f"{args.model}` (it measures each graph on each placement, about a minute each).")
+        return 0
+    print("\n".join(tables))
+    print(f"\nMode auto loads: {choice.why}")
+    return 0
+
+
+def _measure_placement(args, request) -> None:
+    """Profile one placement at every thread split of splits_to_profile; a placement that cannot run this export
+    is reported and skipped (the others are still measured)."""
+    from mirrorsd.errors import MirrorSDError
     from mirrorsd.runtime import Pipeline
     from mirrorsd.runtime.profiling import profile_for
 
-    profile = None
-    for t, d in (splits_to_profile(args.threads) if measure else [(args.threads, args.threads)]):
-        request = DeviceRequest(args.target_device, args.draft_device, t, d, args.static_draft, kernels=args.kernels)
-        with Pipeline.load(args.model, request) as pipe:
-            if measure:
-                profile = profile_for(pipe, progress=True)
-                continue
-            path = profiles.cache_path(pipe.folder, {role: p.describe() for role, p in pipe.placements.items()})
-            if not path.is_file():
-                print(f"\nNo profile of this export on this device set yet: run `mirrorsd devices --profile "
-                      f"--model {args.model}` (it measures each graph, seconds to a minute).")
-                return 0
-            profile = profiles.load(path)
-    path = profiles.cache_path(Path(args.model), {})  # for the message only: the folder's cache family
-    print(f"\nProfile ({profile.kind}, {profile.machine}, {profile.created}; cached under {path.parent})")
-    for s in profile.splits:
-        print(f"  {s.split}: {s.label}; contention target x{s.c_target:.2f}, draft x{s.c_draft:.2f}")
-    table = rank(list(profile.splits), profile.acceptance)
-    print(format_table(table, "\nPredicted speed of each mode on this machine"))
-    return 0
+    print(f"\nPlacement target {request.target}, draft {request.draft}:")
+    for t, d in splits_to_profile(args.threads):
+        try:
+            with Pipeline.load(args.model, replace(request, target_threads=t, draft_threads=d)) as pipe:
+                profile_for(pipe, progress=True)
+        except MirrorSDError as exc:
+            print(f"  not measured: {exc.what} ({exc.why})")
+            return
+
+
+def _cached_tables(pipe, choice) -> list[str]:
+    """The predicted table of every placement with a cached profile, ranked with the acceptance choose_placement
+    used (the auto chains' pick's calibration)."""
+    from mirrorsd import profile as profiles
+
+    out = []
+    here = pipe.cached_profile()
+    for name, row in choice.candidates.items():
+        target, draft = name.split("+", 1)
+        devices = {"target": target, "draft": draft}
+        profile = here if devices == pipe.device_strings() else profiles.find_cached(pipe.folder, devices)
+        if profile is None or profile.acceptance is None:
+            out.append(f"\nPlacement {name}: {row.get('not ranked', 'no profile')}")
+            continue
+        acceptance = here.acceptance if here is not None and here.acceptance is not None else profile.acceptance
+        out.append(f"\nPlacement {name}: profile {profile.kind}, {profile.machine}, {profile.created}")
+        out += [f"  {s.split}: {s.label}; contention target x{s.c_target:.2f}, draft x{s.c_draft:.2f}"
+                for s in profile.splits]
+        out.append(format_table(rank(list(profile.splits), acceptance), f"Predicted speed of each mode on {name}"))
+    return out

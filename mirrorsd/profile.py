@@ -163,7 +163,6 @@ def cache_path(folder: Path, placement: dict[str, str]) -> Path:
     and path: a rebuilt kernel library is measured again); every thread split lives inside."""
     from mirrorsd.devices.placement import KERNELS_MARK
     from mirrorsd.names import MANIFEST_FILE
-    from mirrorsd.weights import default_cache_dir
 
     folder = Path(folder).resolve()
     digest = hashlib.sha256((folder / MANIFEST_FILE).read_bytes())
@@ -173,8 +172,30 @@ def cache_path(folder: Path, placement: dict[str, str]) -> Path:
 
         digest.update(str(kernels.build_id()).encode())
     digest.update(str(folder).encode())
-    root = Path(os.environ[CACHE_ENV]).expanduser() if os.environ.get(CACHE_ENV) else default_cache_dir() / "profiles"
-    return root / f"{folder.name}-{digest.hexdigest()[:16]}.json"
+    return cache_root() / f"{folder.name}-{digest.hexdigest()[:16]}.json"
+
+
+def cache_root() -> Path:
+    from mirrorsd.weights import default_cache_dir
+
+    return Path(os.environ[CACHE_ENV]).expanduser() if os.environ.get(CACHE_ENV) else default_cache_dir() / "profiles"
+
+
+def find_cached(folder: Path, devices: dict[str, str]) -> Profile | None:
+    """The cached measured profile of export ``folder`` whose sessions ran on ``devices`` (model -> device string,
+    as profiling.profile_for records it), or None. A file counts only while its recorded placement still hashes to
+    its own name: the same manifest, folder and kernel build (a stale one is measured again, not ranked)."""
+    folder = Path(folder).resolve()
+    for path in sorted(cache_root().glob(f"{folder.name}-*.json")):
+        try:
+            profile = load(path)
+        except ProfileError:
+            continue
+        export = profile.export
+        if export.get("devices") == devices and export.get("folder") == str(folder) and \
+                cache_path(folder, export.get("placement") or {}) == path:
+            return profile
+    return None
 
 
 def now() -> str:

@@ -70,11 +70,12 @@ class Pipeline:
         self._profile = None  # mode auto: this export's measured profile (runtime/profiling.py), loaded once
         self._acceptance = None  # mode auto: the acceptance the last generations measured (else the profile's)
         self._measured_generations = 0  # mode auto: generations whose acceptance went into _acceptance
-        self.thread_choice = auto_threads.default(threads, "threads not planned (DeviceRequest.plan_threads off)")
+        self.thread_choice = auto_threads.default(threads, "threads not planned (DeviceRequest.plan_from_profile off)")
+        self.placement_choice = None  # mode auto: the PlacementChoice it was loaded with (plan_from_profile)
 
     @classmethod
     def load(cls, folder: str | os.PathLike, devices=None) -> "Pipeline":
-        """Open every graph of export ``folder`` as ``devices`` asks. With ``devices.plan_threads`` and no threads
+        """Open every graph of export ``folder`` as ``devices`` asks. With ``devices.plan_from_profile`` and no threads
         given, the sessions get the thread split the cached profile predicts fastest (runtime/auto_threads.py):
         they open with the default, and reopen when the profile says another split (a second load)."""
         from mirrorsd.devices.backends import default_threads
@@ -89,13 +90,41 @@ class Pipeline:
         pipe = cls(folder, manifest, *cls._open(folder, manifest, devices, threads), threads)
         if devices.target_threads or devices.draft_threads:
             pipe.thread_choice = auto_threads.given(threads)
-        elif devices.plan_threads:
-            choice = pipe._cached_thread_choice()
-            if choice.threads != threads:
+        if devices.plan_from_profile:
+            request, choice = pipe.planned_request(devices)
+            if request is not None:
                 pipe.close()
-                pipe = cls(folder, manifest, *cls._open(folder, manifest, devices, choice.threads), choice.threads)
-            pipe.thread_choice = choice
+                pipe = cls(folder, manifest, *cls._open(folder, manifest, request, choice.threads.threads),
+                           choice.threads.threads)
+            pipe.thread_choice, pipe.placement_choice = choice.threads, choice
         return pipe
+
+    def device_strings(self) -> dict[str, str]:
+        """The device string each model runs on ({"target": "cpu", "draft": "openvino:CPU"}): what reopens it."""
+        return {p.model: p.device for p in self.placements.values()}
+
+    def planned_request(self, devices):
+        """(the DeviceRequest to reopen with, or None to keep this pipeline; the PlacementChoice): the placement
+        and thread split the cached profiles of this export predict fastest (runtime/auto_placement.py), among
+        the devices ``devices`` allows here; nothing is measured."""
+        from dataclasses import replace as dc_replace
+
+        from mirrorsd import profile as profiles
+        from mirrorsd.devices.placement import placement_candidates
+        from mirrorsd.runtime.auto_placement import choose_placement
+
+        here = self.device_strings()
+        chain_pick = (here["target"], here["draft"])
+        found = {pair: profiles.find_cached(self.folder, {"target": pair[0], "draft": pair[1]})
+                 for pair in placement_candidates(self.manifest, devices)}
+        found[chain_pick] = self.cached_profile()  # the path of this placement (older profiles lack "devices")
+        given = bool(devices.target_threads or devices.draft_threads)
+        choice = choose_placement(found, chain_pick, self.threads, given)
+        if choice.devices == chain_pick and choice.threads.threads == self.threads:
+            return None, choice
+        target_threads, draft_threads = choice.threads.threads
+        return dc_replace(devices, target=choice.devices[0], draft=choice.devices[1], target_threads=target_threads,
+                          draft_threads=draft_threads), choice
 
     @staticmethod
     def _open(folder: Path, manifest: Manifest, devices, threads: tuple[int, int]) -> tuple[dict, dict]:
@@ -127,19 +156,15 @@ class Pipeline:
             placements[spec.role] = placement
         return sessions, placements
 
-    def _cached_thread_choice(self):
-        """The thread split the cached profile of this export and placement predicts fastest (nothing measured)."""
+    def cached_profile(self):
+        """The cached profile of this export and placement, or None (none yet, or unreadable: measured again)."""
         from mirrorsd import profile as profiles
 
         path = profiles.cache_path(self.folder, {role: p.describe() for role, p in self.placements.items()})
-        if not path.is_file():
-            return auto_threads.default(self.threads, "no cached profile of this export and placement (`mirrorsd "
-                                                      "devices --profile --model EXPORT` measures one)")
         try:
-            profile = profiles.load(path)
-        except profiles.ProfileError as exc:
-            return auto_threads.default(self.threads, f"the cached profile is unreadable ({exc.what})")
-        return auto_threads.choose_split(profile, profile.acceptance, self.threads)
+            return profiles.load(path) if path.is_file() else None
+        except profiles.ProfileError:
+            return None
 
     @property
     def context_limit(self) -> int:
@@ -299,7 +324,8 @@ class Pipeline:
                 self._measured_generations += 1
             weight = running_weight(self._measured_generations, self._profile.calibration.get("prompts", 1))
             self._acceptance = blend(proposer.prior, online, weight)
-            auto = {**proposer.report(), "threads": self.thread_choice.to_dict()}
+            auto = {**proposer.report(), "threads": self.thread_choice.to_dict(),
+                    "placement": None if self.placement_choice is None else self.placement_choice.to_dict()}
         placement = {role: p.describe() for role, p in self.placements.items()}
         stats = summarize(config.mode, outcome.counters, len(ids), len(outcome.tokens), outcome.seconds,
                           outcome.time_to_first_token_s, list(self.target_timeline.intervals),

@@ -293,6 +293,7 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
     from tqdm import tqdm
 
     placement = {role: p.describe() for role, p in pipe.placements.items()}
+    devices = pipe.device_strings()  # what reopens this placement (mode auto ranks placements by it)
     path = profiles.cache_path(pipe.folder, placement)
     current = None
     if path.is_file() and not refresh:
@@ -302,14 +303,15 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
             current = None  # an older schema or a damaged file: measured again below
     if current is None:
         current = profiles.Profile(kind="measured", machine=machine_words(), splits=(),
-                                   export={"folder": str(pipe.folder), "placement": placement},
+                                   export={"folder": str(pipe.folder), "placement": placement, "devices": devices},
                                    created=profiles.now())
     need_split = current.split(*pipe.threads) is None
     # an acceptance calibrated on another prompt set (an older mirrorsd) is measured again
     need_acceptance = (current.acceptance is None
                        or current.calibration.get("prompts") != len(CALIBRATION_PROMPTS))
-    if not (need_split or need_acceptance):
+    if not (need_split or need_acceptance or current.export.get("devices") != devices):
         return current
+    current = profiles.Profile(**{**current.__dict__, "export": {**current.export, "devices": devices}})
     steps = (REPEATS + 5 if need_split else 0) + (2 * len(CALIBRATION_PROMPTS) if need_acceptance else 0)
     bar = tqdm(total=steps, disable=not progress,
                desc=f"profiling {pipe.threads[0]}+{pipe.threads[1]} threads", unit="step")

@@ -68,7 +68,9 @@ class SerialDraft(TargetOnly):
         self.sampler = GREEDY
 
     def reset(self, prompt: list[int], sampler: Sampler = GREEDY) -> None:
-        self.draft.reset(capacity=len(prompt) + 64)
+        held = self.draft.cache_tokens
+        if not (held and held == prompt[:len(held)]):  # a cache holding a prefix of this text is kept: e.g. mode
+            self.draft.reset(capacity=len(prompt) + 64)  # auto's ar probe read the text, and sd starts from there
         self.sampler = sampler
 
     def propose(self, committed: list[int], gamma: int) -> Window:

@@ -224,12 +224,12 @@ def test_auto_loads_the_thread_split_its_cached_profile_predicts_fastest(same_dr
     from mirrorsd.runtime import Pipeline
 
     n = cores()
-    plan = DeviceRequest(plan_threads=True)
+    plan = DeviceRequest(plan_from_profile=True)
     with Pipeline.load(same_draft, plan) as pipe:  # no profile cached yet: today's default
         assert pipe.threads == (n, n) and pipe.thread_choice.source == "default"
         assert "no cached profile" in pipe.thread_choice.why
     cache_profile(same_draft, [split_costs(n, n, 0.009, 0.004, 2.0), split_costs(1, 1, 0.010, 0.001)], alpha=0.9)
-    with Pipeline.load(same_draft, DeviceRequest(target_threads=n, draft_threads=n, plan_threads=True)) as pipe:
+    with Pipeline.load(same_draft, DeviceRequest(target_threads=n, draft_threads=n, plan_from_profile=True)) as pipe:
         assert pipe.threads == (n, n) and pipe.thread_choice.source == "given"  # explicit threads win
     with Pipeline.load(same_draft, plan) as pipe:
         assert pipe.threads == (1, 1), pipe.thread_choice
@@ -358,3 +358,19 @@ def test_no_probe_when_too_few_tokens_remain_for_a_switch_to_pay(same_draft, sin
     assert outcome.tokens == reference and set(seen) == {"ar"}
     probe = proposer.report()["ar_probe"]
     assert probe is not None and probe["probes"] == 0, probe  # probing was on, and declined each time
+
+
+def test_sd_starts_from_a_draft_cache_that_holds_a_prefix_of_its_text(same_draft, single_thread):
+    """A switch ar -> sd reuses what the ar probe fed the draft (no second prefill of the text); a cache holding
+    another text is emptied."""
+    from mirrorsd.runtime.proposers import SerialDraft
+
+    pipe = single_thread(same_draft)
+    text = pipe.encode(PROMPT, GenerationConfig(chat=False)) + [5, 6, 7]
+    pipe.draft.reset()
+    pipe.draft.extend(text[:4])  # as a probe leaves it
+    SerialDraft(pipe.draft).reset(text)
+    assert pipe.draft.cache_tokens == text[:4] and pipe.draft.cache.length == 4
+    SerialDraft(pipe.draft).reset([9] + text)  # another text: nothing of the cache applies
+    assert pipe.draft.cache_tokens == [] and pipe.draft.cache.length == 0
+    assert generate(pipe, "sd").tokens == generate(pipe, "ar").tokens

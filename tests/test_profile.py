@@ -74,9 +74,13 @@ def test_devices_profile_measures_caches_and_prints_the_table(exported, capsys):
     assert main(["devices", "--profile", "--model", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "PREDICTED" in out and "fastest:" in out
+    from mirrorsd.devices.placement import DeviceRequest, placement_candidates
+    from mirrorsd.manifest import load_manifest
+
     files = list(Path(os.environ["MIRRORSD_PROFILES"]).glob("*.json"))
-    assert len(files) == 1  # one file per export and device set, every thread split inside
-    profile = profiles.load(files[0])
+    pairs = placement_candidates(load_manifest(folder), DeviceRequest())  # here: the draft on cpu, openvino:CPU
+    assert len(files) == len(pairs)  # one file per export and device set, every thread split inside
+    profile = profiles.find_cached(folder, {"target": pairs[0][0], "draft": pairs[0][1]})
     assert profile.kind == "measured" and profile.acceptance.source == "calibration"
     splits = {s.split for s in profile.splits}
     assert "1+1" in splits
@@ -100,7 +104,7 @@ def test_an_acceptance_calibrated_on_other_prompts_is_measured_again(exported):
     folder = exported("llama", draft_layers=4)
     with Pipeline.load(folder, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
         first = pipe.profile()
-        path = next(Path(os.environ["MIRRORSD_PROFILES"]).glob("*.json"))
+        path = profiles.cache_path(pipe.folder, {role: p.describe() for role, p in pipe.placements.items()})
         data = json.loads(path.read_text())
         data["calibration"]["prompts"] = 2
         data["acceptance"]["alpha"] = 0.123
