@@ -46,7 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(src, E, "trust_remote_code",
               help="allow models that ship their own Python code (off by default: it runs that code)")
     cut = parser.add_argument_group("split")
-    flags.add(cut, E, "exit_layer", type=int, metavar="L", help="early-exit layer, 1..N-1 (default N/2)")
+    flags.add(cut, E, "exit_layer", type=int, metavar="L",
+              help="early-exit layer, 1..N-1 (default: N/2, or the latency model's choice with --exit-hits and "
+                   "--exit-profile)")
+    flags.add(cut, E, "exit_hits", type=Path, metavar="SWEEP.json",
+              help="with --exit-profile and no --exit-layer: pick the exit layer that the latency model predicts "
+                   "fastest for Mirror-SD, from this hit-rate sweep (scripts/exit_layer_sweep.py --json) ...")
+    flags.add(cut, E, "exit_profile", type=Path, metavar="PROFILE.json",
+              help="... and this measured profile of an earlier export of the pair on the machine it will run on "
+                   "(`mirrorsd devices --profile --model EXPORT` caches one); recorded in the manifest")
     flags.add(cut, E, "top_k", metavar="KAPPA",
               help="candidates per position in the early-exit message (default %(default)s)")
     npu = parser.add_argument_group("fixed-shape draft (NPUs)")

@@ -13,7 +13,9 @@ class ExportOptions:
     output: Path
     draft: Path | None = None
     draft_layers: int | None = None
-    exit_layer: int | None = None  # default: half the target's depth
+    exit_layer: int | None = None  # default: half the target's depth, or the latency model's choice (below)
+    exit_hits: Path | None = None  # with exit_profile: pick the exit layer (export/exit_choice.py)
+    exit_profile: Path | None = None
     top_k: int = DEFAULT_TOP_K
     force: bool = False
     trust_remote_code: bool = False

@@ -57,19 +57,20 @@ def export(options: ExportOptions, progress: Callable[[str], None] = lambda step
     check_same_vocabulary(target, draft)
     streaming = streaming_graph.detect(options.draft, draft)  # a mirrorsd-train-draft folder: + draft_streaming
     _check_fp16(options, streaming)
-    exit_layer = _exit_layer(options, target.info.num_layers)
+    exit_layer, exit_choice = _exit_layer(options, target.info.num_layers, progress)
     _check_max_context(options, draft.info.max_position_embeddings)
     if not 1 <= options.top_k <= target.info.vocab_size:
         raise ExportOptionError(f"--top-k {options.top_k} is out of range", f"it must be 1..{target.info.vocab_size}",
                                 f"use the default {DEFAULT_TOP_K}")
     with stage:
-        manifest = _write_folder(stage.path, options, target, draft, exit_layer, progress, on_layer, streaming)
+        manifest = _write_folder(stage.path, options, target, draft, exit_layer, progress, on_layer, streaming,
+                                 exit_choice)
         stage.publish()
     return ExportResult(output, manifest, time.perf_counter() - started)
 
 
 def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_layer: int, progress, on_layer,
-                  streaming=None) -> Manifest:
+                  streaming=None, exit_choice: dict | None = None) -> Manifest:
     from mirrorsd.export.build import ModelJob, run_job
     from mirrorsd.export.genai_config import write_genai_config
     from mirrorsd.export.resume import open_state
@@ -91,7 +92,8 @@ def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_lay
     manifest = Manifest(
         schema_version=SCHEMA_VERSION, target=target.info, draft=draft.info, exit_layer=exit_layer,
         top_k=options.top_k, graphs=graphs, tokenizer=tokenizer, generation_defaults=_generation_defaults(target),
-        export_options=_recorded_options(options), versions=_versions(), attention=attention.KIND)
+        export_options={**_recorded_options(options), **({"exit_layer_choice": exit_choice} if exit_choice else {})},
+        versions=_versions(), attention=attention.KIND)
     manifest.save(scratch)
     write_genai_config(scratch, manifest)  # the target as an onnxruntime-genai decoder-pipeline model
     state.remove()
@@ -173,13 +175,29 @@ def _open_draft(options: ExportOptions, target, progress):
     return target.truncated(k)
 
 
-def _exit_layer(options: ExportOptions, n: int) -> int:
-    layer = options.exit_layer if options.exit_layer is not None else n // 2
+def _exit_layer(options: ExportOptions, n: int, progress=lambda step: None) -> tuple[int, dict | None]:
+    """The exit layer, and the latency model's choice behind it (None when --exit-layer or the default N/2)."""
+    given = (options.exit_hits is not None, options.exit_profile is not None)
+    if any(given) and not all(given):
+        missing = "--exit-profile" if given[0] else "--exit-hits"
+        raise ExportOptionError(f"{missing} is missing", "the export picks the exit layer from a hit-rate sweep "
+                                "and a measured profile together", f"pass {missing} too, or give --exit-layer L")
+    choice = None
+    if options.exit_layer is None and all(given):
+        from mirrorsd.export.exit_choice import choose_exit_layer
+
+        choice = choose_exit_layer(options.exit_hits, options.exit_profile, n)
+        noexit = choice["predicted_mirror_noexit_tokens_per_second"]
+        progress(f"exit layer {choice['layer']}: the latency model's choice ({choice['predicted_tokens_per_second']} "
+                 f"tok/s predicted for Mirror-SD on split {choice['split']}"
+                 + (f"; without the exit head {noexit} is predicted: the exit does not pay on that profile)"
+                    if noexit > choice["predicted_tokens_per_second"] else ")"))
+    layer = choice["layer"] if choice else options.exit_layer if options.exit_layer is not None else n // 2
     if not 1 <= layer <= n - 1:
         raise ExportOptionError(f"--exit-layer {layer} is out of range",
                                 f"the prefix and the suffix each need at least one of the target's {n} layers",
                                 f"use 1..{n - 1} (default {n // 2})")
-    return layer
+    return layer, choice
 
 
 def _save_tokenizer(target, scratch: Path) -> TokenizerInfo:
