@@ -48,8 +48,9 @@ KERNELS_MARK = "[mirrorsd kernels]"  # in describe(): the profile cache keys on 
 
 
 def auto_skips(label: str, report: DeviceReport) -> str:
-    """Devices auto does not pick although they work here (why, or ""). The one place this policy lives: the issue
-    on measured placement replaces it with a decision from a measured profile.
+    """Devices the auto chain does not pick although they work here (why, or ""). The one place this policy lives.
+    Mode auto overrides it from measurements: with cached profiles of the placements (``mirrorsd devices --profile``
+    profiles every one, these included) it loads the one predicted fastest (runtime/auto_placement.py).
 
     OpenVINO's CPU plugin is skipped on every CPU. On an Intel CPU its memory grew with every new input shape (a
     2-layer draft: 5.3 GB at 4,000 tokens against 0.18 GB on ONNX Runtime, and 4x slower; issue 19); the bounded
