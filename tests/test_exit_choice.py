@@ -52,6 +52,9 @@ def test_export_cuts_the_target_at_the_latency_models_layer(tiny_model, tmp_path
     assert manifest.graph("prefix").layer_range == (0, want) and manifest.graph("suffix").layer_range[0] == want
     assert choice["kind"].startswith("prediction") and "PREDICTED" in choice["table"]
     assert choice["sweep"] == str(sweep) and choice["profile"] == str(profile)
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((DOCS.parent / "manifest.schema.json").read_text())
+    jsonschema.validate(json.loads((out / "mirrorsd.json").read_text()), schema)  # the documented schema holds it
 
 
 def test_given_exit_layer_wins(tiny_model, tmp_path):
