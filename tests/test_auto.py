@@ -59,7 +59,6 @@ def with_costs(pipe, **costs):
     speculation within noise of each other; fixing the costs makes the choice depend on the acceptance only."""
     from dataclasses import replace
 
-    from mirrorsd.profile import Profile
     from mirrorsd.runtime.latency import SplitCosts
 
     measured = pipe.profile()

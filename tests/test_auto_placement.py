@@ -6,14 +6,14 @@ fed by their profiles."""
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from mirrorsd.profile import Profile
 from mirrorsd.runtime.auto_placement import choose_placement
 from mirrorsd.runtime.latency import Acceptance, SplitCosts
+
+from markers import needs_openvino
 
 CPU = ("cpu", "cpu")
 OV = ("cpu", "openvino:CPU")
@@ -70,6 +70,7 @@ def profile_cache(tmp_path, monkeypatch):
     return tmp_path / "profiles"
 
 
+@needs_openvino  # the second placement here is OpenVINO's CPU plugin
 def test_auto_loads_the_placement_its_cached_profiles_predict_fastest(exported, profile_cache, capsys):
     """`mirrorsd devices --profile` measures both placements here (draft on ONNX Runtime CPU and on OpenVINO CPU);
     with the OpenVINO one's costs made faster, a plan_from_profile load opens the draft there, and mode auto's

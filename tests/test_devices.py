@@ -16,10 +16,10 @@ from mirrorsd.errors import DeviceError
 from mirrorsd.manifest import load_manifest
 from mirrorsd.runtime import GenerationConfig, Pipeline
 
+from markers import HAS_OPENVINO, needs_openvino
+
 PROMPTS = [[1, 17, 42, 99, 7], [1, 250, 3, 3, 3, 100, 200, 12, 8], [5]]
 NEW_TOKENS = 24
-HAS_OPENVINO = probe().openvino_version is not None
-needs_openvino = pytest.mark.skipif(not HAS_OPENVINO, reason="the openvino package is not installed")
 
 BARE = DeviceReport("1.32.0", ("CPUExecutionProvider",), (), (), "not installed", (), None, (), (), "GenuineIntel")
 AMD = "AuthenticAMD"

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from mirrorsd.devices.heap import MALLOC_TRIM, TRIM_EVERY, HeapTrimmer, trim_heap
-from mirrorsd.devices.probe import probe
+
+from markers import needs_openvino
 
 MiB = 2**20
 needs_glibc = pytest.mark.skipif(MALLOC_TRIM is None, reason="no glibc malloc_trim in this process (not Linux/glibc)")
-needs_openvino = pytest.mark.skipif(probe().openvino_version is None, reason="the openvino package is not installed")
 
 
 @needs_glibc

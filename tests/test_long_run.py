@@ -18,17 +18,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mirrorsd.devices.probe import probe
 from mirrorsd.runtime.text import StreamDecoder
 
+from markers import needs_openvino
 from tiny_models import build_model
 
 MARKS = (1_000, 5_000, 10_000)
 NEW = 10_000
 PROMPT = [1, 17, 42, 99, 7]
 MiB = 2**20
-needs_openvino = pytest.mark.skipif(probe().openvino_version is None, reason="the openvino package is not installed "
-                                    "(pip install -e '.[openvino]'; scripts/setup.sh does)")
 
 
 # ---- streaming text --------------------------------------------------------------------------------------------
