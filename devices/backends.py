@@ -84,6 +84,7 @@ class SessionSettings:
     openvino: OpenVINOTuning = OpenVINOTuning()
     kv_pairs: tuple[tuple[str, str], ...] = ()  # (past input, present output) names; a stateful graph needs them
     kernels: str = "ort"  # ONNX Runtime CPU: "mirrorsd" runs runtime/kernels' MatMulNBits (devices/kernel_choice.py)
+    shared_pool: bool = False  # ONNX Runtime: the process's one spinning pool (devices/thread_pool.py)
 
 
 class BackendSession(Protocol):
@@ -136,6 +137,10 @@ class OrtSession:
         opts.log_severity_level = 3
         # Two sessions share two cores in Mirror-SD: spinning threads would steal the other session's core.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if settings.shared_pool:
+            from mirrorsd.devices.thread_pool import use_shared_pool
+
+            use_shared_pool(opts, max(1, settings.threads))
         return opts
 
     def _open(self, make, path: Path) -> None:

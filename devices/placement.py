@@ -86,6 +86,7 @@ class DeviceRequest:
     # Mode auto: take the placement (of the models left on auto) and the thread split (when no threads are given)
     # that the cached profiles predict fastest (runtime/auto_placement.py, runtime/auto_threads.py)
     plan_from_profile: bool = False
+    shared_pool: bool = False  # ONNX Runtime CPU sessions on one spinning pool for the process (devices/thread_pool.py)
 
 
 @dataclass(frozen=True)
@@ -330,10 +331,12 @@ class Placement:
     static: bool = False  # the fixed-shape draft graph
     kernels: str = "ort"  # whose MatMulNBits kernel runs it (ONNX Runtime CPU only)
     device: str = ""  # the device string it was placed on ("cpu", "openvino:CPU", ...): what reopens it there
+    shared_pool: bool = False  # an ONNX Runtime session on the process's shared thread pool
 
     def describe(self) -> str:
         shapes = " [static shapes]" if self.static else ""
         kernels = f" {KERNELS_MARK}" if self.kernels == "mirrorsd" else ""
+        kernels += " [shared pool]" if self.shared_pool else ""
         note = f" (fell back: {self.reason})" if self.fell_back else ""
         return f"{self.backend}:{self.effective}{shapes}{kernels}{note}"
 
@@ -358,8 +361,10 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
     if model == "target" and choice.backend == "openvino" and tuning.inexact():
         raise DeviceError("The OpenVINO settings asked for the target would make sd/mirror differ from ar",
                           tuning.inexact(), "use the default DeviceRequest.target_openvino")
+    shared = request.shared_pool and choice.backend == "onnxruntime" and choice.device == "cpu"
     settings = SessionSettings(choice.device, threads, "f32", fixed_shapes=decision.static and
-                               choice.backend == "openvino", openvino=tuning, kv_pairs=kv_pairs(kv), kernels=kernels)
+                               choice.backend == "openvino", openvino=tuning, kv_pairs=kv_pairs(kv), kernels=kernels,
+                               shared_pool=shared)
     session = BACKENDS[choice.backend](path, settings)
     fell_back, reason = decision.fell_back, decision.reason
     lost = _lost_device(choice, session.effective)
@@ -370,7 +375,7 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
         fell_back, reason = True, "; ".join(r for r in (reason, lost) if r)
         warnings.warn(f"{model}: {lost}", DeviceFallbackWarning, stacklevel=2)
     return session, Placement(model, decision.requested, session.effective, choice.backend, fell_back, reason,
-                              decision.static, getattr(session, "kernels", "ort"), choice.label)
+                              decision.static, getattr(session, "kernels", "ort"), choice.label, shared)
 
 
 def kv_pairs(kv) -> tuple[tuple[str, str], ...]:

@@ -44,6 +44,7 @@ class BenchOptions:
     bandwidth: bool = True  # measure the memory-bandwidth ceiling of ar in the same run
     native_library: Path | None = None  # libmirrorsd for the c-* modes (default: built into the mirrorsd cache)
     kernels: str = "auto"  # MatMulNBits on ONNX Runtime CPU: auto | mirrorsd | ort (devices/kernel_choice.py)
+    shared_pool: bool = False  # mirrorsd's modes on one spinning ONNX Runtime pool (devices/thread_pool.py)
 
 
 @dataclass
@@ -201,7 +202,7 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
     from mirrorsd.runtime import GenerationConfig, Pipeline
 
     devices = DeviceRequest(target_threads=options.target_threads, draft_threads=options.draft_threads,
-                            kernels=options.kernels)
+                            kernels=options.kernels, shared_pool=options.shared_pool)
     outs: dict = {}
     prompt_ids: dict = {}
     shared = dict(max_new_tokens=options.max_new_tokens, gamma=options.gamma, branches=options.branches,

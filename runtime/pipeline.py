@@ -118,7 +118,7 @@ class Pipeline:
         found = {pair: profiles.find_cached(self.folder, {"target": pair[0], "draft": pair[1]})
                  for pair in placement_candidates(self.manifest, devices)}
         found[chain_pick] = self.cached_profile()  # the path of this placement (older profiles lack "devices")
-        given = bool(devices.target_threads or devices.draft_threads)
+        given = bool(devices.target_threads or devices.draft_threads or devices.shared_pool)  # one pool: no split
         choice = choose_placement(found, chain_pick, self.threads, given)
         if choice.devices == chain_pick and choice.threads.threads == self.threads:
             return None, choice
