@@ -28,8 +28,7 @@ def choose_exit_layer(hits_file: Path, profile_file: Path, num_layers: int, kind
     """The exit layer of a target with ``num_layers`` layers that the latency model predicts fastest (see the
     module docstring), with the table behind it."""
     from mirrorsd import profile as profiles
-    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table, read_hits
-    from mirrorsd.runtime.latency import Strategy, predict
+    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table, noexit_tokens_per_second, read_hits
 
     fix = "pass the --json output of scripts/exit_layer_sweep.py for this target, or give --exit-layer L"
     try:
@@ -60,9 +59,7 @@ def choose_exit_layer(hits_file: Path, profile_file: Path, num_layers: int, kind
             continue
         rows = exit_layer_table(costs, profile.acceptance, hits, int(base))
         if best is None or rows[0].tokens_per_second > best[1][0].tokens_per_second:
-            noexit = max(predict(costs, Strategy("mirror", g, exit_head=False), profile.acceptance).tokens_per_second
-                         for g in range(1, costs.max_gamma + 1))
-            best = (costs, rows, noexit, int(base))
+            best = (costs, rows, noexit_tokens_per_second(costs, profile.acceptance), int(base))
     if best is None:
         raise ExportOptionError(f"The profile {profile_file} has no split with prefix times and an exit layer",
                                 "the prediction moves the prefix's cost with the layer",

@@ -82,8 +82,7 @@ def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int
     import json
 
     from mirrorsd.errors import ProfileError
-    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table, read_hits
-    from mirrorsd.runtime.latency import Strategy, predict
+    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table, noexit_tokens_per_second, read_hits
 
     try:
         hits, layers = read_hits(json.loads(Path(hits_file).read_text()), topk, kind)
@@ -98,8 +97,7 @@ def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int
                        f"measured at: --exit-layer)")
             continue
         rows = exit_layer_table(costs, acceptance, hits, base)
-        noexit = max(predict(costs, Strategy("mirror", g, exit_head=False), acceptance).tokens_per_second
-                     for g in range(1, costs.max_gamma + 1))
+        noexit = noexit_tokens_per_second(costs, acceptance)
         out.append(f"\n{costs.split} (exit measured at layer {base}; {kind} top-{topk} hit rates of {hits_file}):")
         out.append(format_exit_table(rows, noexit, layers or (detail or {}).get("layers")))
     return out
@@ -124,9 +122,10 @@ def devices_table(args, measure: bool) -> int:
         for pair in placement_candidates(load_manifest(args.model), request):
             _measure_placement(args, replace(request, target=pair[0], draft=pair[1]))
     with Pipeline.load(args.model, request) as pipe:
-        _, choice = pipe.planned_request(replace(request, plan_from_profile=True))
-        tables = _cached_tables(pipe, choice)
-    if not tables:
+        found = pipe.placement_profiles(request)
+        _, choice = pipe.planned_request(replace(request, plan_from_profile=True), found)
+        tables = _cached_tables(found, pipe.device_pair)
+    if not any(found.values()):
         print(f"\nNo profile of this export on this machine yet: run `mirrorsd devices --profile --model "
               f"{args.model}` (it measures each graph on each placement, about a minute each).")
         return 0
@@ -152,23 +151,21 @@ def _measure_placement(args, request) -> None:
             return
 
 
-def _cached_tables(pipe, choice) -> list[str]:
-    """The predicted table of every placement with a cached profile, ranked with the acceptance choose_placement
-    used (the auto chains' pick's calibration)."""
-    from mirrorsd import profile as profiles
+def _cached_tables(found: dict, chain_pick: tuple[str, str]) -> list[str]:
+    """The predicted table of every placement with a cached profile (``found``: Pipeline.placement_profiles),
+    ranked with the acceptance choose_placement ranks them with."""
+    from mirrorsd.runtime.auto_placement import pair_name, ranking_acceptance
 
     out = []
-    here = pipe.cached_profile()
-    for name, row in choice.candidates.items():
-        target, draft = name.split("+", 1)
-        devices = {"target": target, "draft": draft}
-        profile = here if devices == pipe.device_strings() else profiles.find_cached(pipe.folder, devices)
-        if profile is None or profile.acceptance is None:
-            out.append(f"\nPlacement {name}: {row.get('not ranked', 'no profile')}")
+    shared = ranking_acceptance(found, chain_pick)
+    for pair, profile in found.items():
+        name = pair_name(pair)
+        if profile is None or (shared or profile.acceptance) is None:
+            out.append(f"\nPlacement {name}: not measured yet")
             continue
-        acceptance = here.acceptance if here is not None and here.acceptance is not None else profile.acceptance
         out.append(f"\nPlacement {name}: profile {profile.kind}, {profile.machine}, {profile.created}")
         out += [f"  {s.split}: {s.label}; contention target x{s.c_target:.2f}, draft x{s.c_draft:.2f}"
                 for s in profile.splits]
-        out.append(format_table(rank(list(profile.splits), acceptance), f"Predicted speed of each mode on {name}"))
+        out.append(format_table(rank(list(profile.splits), shared or profile.acceptance),
+                                f"Predicted speed of each mode on {name}"))
     return out

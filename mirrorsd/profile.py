@@ -181,21 +181,23 @@ def cache_root() -> Path:
     return Path(os.environ[CACHE_ENV]).expanduser() if os.environ.get(CACHE_ENV) else default_cache_dir() / "profiles"
 
 
-def find_cached(folder: Path, devices: dict[str, str]) -> Profile | None:
-    """The cached measured profile of export ``folder`` whose sessions ran on ``devices`` (model -> device string,
-    as profiling.profile_for records it), or None. A file counts only while its recorded placement still hashes to
-    its own name: the same manifest, folder and kernel build (a stale one is measured again, not ranked)."""
+def cached_by_devices(folder: Path) -> dict[tuple[str, str], Profile]:
+    """The cached measured profiles of export ``folder``, by the (target, draft) device strings their sessions ran
+    on (as profiling.profile_for records them). A file counts only while its recorded placement still hashes to its
+    own name: the same manifest, folder and kernel build (a stale one is measured again, not ranked)."""
     folder = Path(folder).resolve()
+    found: dict[tuple[str, str], Profile] = {}
     for path in sorted(cache_root().glob(f"{folder.name}-*.json")):
         try:
             profile = load(path)
         except ProfileError:
             continue
         export = profile.export
-        if export.get("devices") == devices and export.get("folder") == str(folder) and \
+        devices = export.get("devices") or {}
+        if set(devices) == {"target", "draft"} and export.get("folder") == str(folder) and \
                 cache_path(folder, export.get("placement") or {}) == path:
-            return profile
-    return None
+            found.setdefault((devices["target"], devices["draft"]), profile)
+    return found
 
 
 def now() -> str:

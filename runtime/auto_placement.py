@@ -50,13 +50,18 @@ def default(devices: tuple[str, str], threads: ThreadChoice, reason: str) -> Pla
     return PlacementChoice(devices, threads, "default", f"{pair_name(devices)} (the auto chains' pick): {reason}")
 
 
+def ranking_acceptance(profiles: dict, chain_pick: tuple[str, str]):
+    """The acceptance every placement is ranked with: the chain pick's calibration (None: each pair's own)."""
+    here = profiles.get(chain_pick)
+    return here.acceptance if here is not None else None
+
+
 def choose_placement(profiles: dict, chain_pick: tuple[str, str], threads: tuple[int, int],
                      threads_given: bool = False) -> PlacementChoice:
     """The placement and thread split to run (see the module docstring). ``profiles``: (target device, draft
     device) -> its cached Profile or None; ``chain_pick``: the pair the auto chains chose (opened already, with
     ``threads``); ``threads_given``: the user fixed the threads, so only that split is compared."""
-    here = profiles.get(chain_pick)
-    prior = here.acceptance if here is not None and here.acceptance is not None else None
+    prior = ranking_acceptance(profiles, chain_pick)
     best: dict = {}  # pair -> (tok/s, ThreadChoice, strategy name)
     candidates: dict = {}
     for pair, profile in profiles.items():

@@ -83,6 +83,12 @@ def exit_layer_table(costs: SplitCosts, acceptance: Acceptance, hits: dict[int, 
     return sorted(rows, key=lambda r: (-round(r.tokens_per_second, 9), r.layer))
 
 
+def noexit_tokens_per_second(costs: SplitCosts, acceptance: Acceptance) -> float:
+    """Mirror-SD without the exit head at its best gamma: what every exit layer is compared against."""
+    return max(predict(costs, Strategy("mirror", g, exit_head=False), acceptance).tokens_per_second
+               for g in range(1, costs.max_gamma + 1))
+
+
 def format_exit_table(rows: list[ExitLayerRow], noexit_tps: float | None = None, layers: int | None = None) -> str:
     """The table ``mirrorsd plan --exit-hits`` and exit_layer_sweep.py print, and the best layer."""
     out = ["Mirror-SD against the exit layer (PREDICTED by the latency model, not measured)", "",

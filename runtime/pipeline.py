@@ -103,21 +103,33 @@ class Pipeline:
         """The device string each model runs on ({"target": "cpu", "draft": "openvino:CPU"}): what reopens it."""
         return {p.model: p.device for p in self.placements.values()}
 
-    def planned_request(self, devices):
-        """(the DeviceRequest to reopen with, or None to keep this pipeline; the PlacementChoice): the placement
-        and thread split the cached profiles of this export predict fastest (runtime/auto_placement.py), among
-        the devices ``devices`` allows here; nothing is measured."""
-        from dataclasses import replace as dc_replace
+    @property
+    def device_pair(self) -> tuple[str, str]:
+        """(target, draft) device strings: this pipeline's placement as mode auto ranks placements."""
+        here = self.device_strings()
+        return here["target"], here["draft"]
 
+    def placement_profiles(self, devices) -> dict:
+        """(target, draft) device pair -> its cached profile or None, for every pair ``devices`` allows here (this
+        pipeline's own pair first); nothing is measured."""
         from mirrorsd import profile as profiles
         from mirrorsd.devices.placement import placement_candidates
+
+        cached = profiles.cached_by_devices(self.folder)
+        found = {pair: cached.get(pair) for pair in placement_candidates(self.manifest, devices)}
+        found[self.device_pair] = self.cached_profile()  # by this placement's path (older profiles lack "devices")
+        return found
+
+    def planned_request(self, devices, found: dict | None = None):
+        """(the DeviceRequest to reopen with, or None to keep this pipeline; the PlacementChoice): the placement
+        and thread split the cached profiles of this export (``found``: placement_profiles) predict fastest
+        (runtime/auto_placement.py), among the devices ``devices`` allows here; nothing is measured."""
+        from dataclasses import replace as dc_replace
+
         from mirrorsd.runtime.auto_placement import choose_placement
 
-        here = self.device_strings()
-        chain_pick = (here["target"], here["draft"])
-        found = {pair: profiles.find_cached(self.folder, {"target": pair[0], "draft": pair[1]})
-                 for pair in placement_candidates(self.manifest, devices)}
-        found[chain_pick] = self.cached_profile()  # the path of this placement (older profiles lack "devices")
+        found = self.placement_profiles(devices) if found is None else found
+        chain_pick = self.device_pair
         given = bool(devices.target_threads or devices.draft_threads or devices.shared_pool)  # one pool: no split
         choice = choose_placement(found, chain_pick, self.threads, given)
         if choice.devices == chain_pick and choice.threads.threads == self.threads:

@@ -80,7 +80,7 @@ def test_devices_profile_measures_caches_and_prints_the_table(exported, capsys):
     files = list(Path(os.environ["MIRRORSD_PROFILES"]).glob("*.json"))
     pairs = placement_candidates(load_manifest(folder), DeviceRequest())  # here: the draft on cpu, openvino:CPU
     assert len(files) == len(pairs)  # one file per export and device set, every thread split inside
-    profile = profiles.find_cached(folder, {"target": pairs[0][0], "draft": pairs[0][1]})
+    profile = profiles.cached_by_devices(folder)[pairs[0]]
     assert profile.kind == "measured" and profile.acceptance.source == "calibration"
     splits = {s.split for s in profile.splits}
     assert "1+1" in splits
@@ -92,6 +92,14 @@ def test_devices_profile_measures_caches_and_prints_the_table(exported, capsys):
     from mirrorsd.runtime.profiling import CALIBRATION_PROMPTS
 
     assert profile.calibration["prompts"] == len(CALIBRATION_PROMPTS) == 6  # one per SpecBench category
+
+
+def test_devices_says_what_to_run_when_nothing_is_profiled(exported, capsys):
+    from mirrorsd.cli import main
+
+    assert main(["devices", "--model", str(exported("llama", draft_layers=4))]) == 0
+    out = capsys.readouterr().out
+    assert "No profile of this export on this machine yet" in out and "PREDICTED" not in out
 
 
 def test_an_acceptance_calibrated_on_other_prompts_is_measured_again(exported):
