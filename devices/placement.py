@@ -45,6 +45,7 @@ FIXED_SHAPE_KINDS = ("NPU",)  # devices that compile static shapes only
 log = logging.getLogger("mirrorsd.devices")
 
 KERNELS_MARK = "[mirrorsd kernels]"  # in describe(): the profile cache keys on it (mirrorsd/profile.py)
+SHARED_POOL_MARK = " [shared pool]"  # in describe(); the profile cache does not key on it (a split of its own)
 
 
 def auto_skips(label: str, report: DeviceReport) -> str:
@@ -86,7 +87,7 @@ class DeviceRequest:
     # Mode auto: take the placement (of the models left on auto) and the thread split (when no threads are given)
     # that the cached profiles predict fastest (runtime/auto_placement.py, runtime/auto_threads.py)
     plan_from_profile: bool = False
-    shared_pool: bool = False  # ONNX Runtime CPU sessions on one spinning pool for the process (devices/thread_pool.py)
+    shared_pool: bool | None = None  # the process's one ONNX Runtime CPU pool; None: as devices/thread_pool.resolve
 
 
 @dataclass(frozen=True)
@@ -336,7 +337,7 @@ class Placement:
     def describe(self) -> str:
         shapes = " [static shapes]" if self.static else ""
         kernels = f" {KERNELS_MARK}" if self.kernels == "mirrorsd" else ""
-        kernels += " [shared pool]" if self.shared_pool else ""
+        kernels += SHARED_POOL_MARK if self.shared_pool else ""
         note = f" (fell back: {self.reason})" if self.fell_back else ""
         return f"{self.backend}:{self.effective}{shapes}{kernels}{note}"
 
@@ -361,7 +362,7 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
     if model == "target" and choice.backend == "openvino" and tuning.inexact():
         raise DeviceError("The OpenVINO settings asked for the target would make sd/mirror differ from ar",
                           tuning.inexact(), "use the default DeviceRequest.target_openvino")
-    shared = request.shared_pool and choice.backend == "onnxruntime" and choice.device == "cpu"
+    shared = bool(request.shared_pool) and choice.backend == "onnxruntime" and choice.device == "cpu"
     settings = SessionSettings(choice.device, threads, "f32", fixed_shapes=decision.static and
                                choice.backend == "openvino", openvino=tuning, kv_pairs=kv_pairs(kv), kernels=kernels,
                                shared_pool=shared)

@@ -1,17 +1,20 @@
-"""One ONNX Runtime thread pool shared by every CPU session of the process (opt-in: ``DeviceRequest.shared_pool``,
-``--shared-pool``).
+"""One ONNX Runtime thread pool shared by every CPU session of the process (``DeviceRequest.shared_pool``,
+``--shared-pool``; mode auto takes it where its profile predicts it faster, runtime/auto_threads.py).
 
-By default each ONNX Runtime session owns a pool of its own threads, which sleep when idle (spinning off, because
-Mirror-SD runs the draft's and the target's sessions at once on the same cores). A pipeline holds four to six
-CPU sessions (prefix, exit head, suffix, draft, ...) and ar and sd run them one after another, so each parallel
+With a pool per session, each ONNX Runtime session owns threads of its own, which sleep when idle (spinning off,
+because Mirror-SD runs the draft's and the target's sessions at once on the same cores). A pipeline holds four to
+six CPU sessions (prefix, exit head, suffix, draft, ...) and ar and sd run them one after another, so each parallel
 section of each graph starts by waking sleeping threads. With one pool for all of them whose threads spin between
 calls, they do not sleep between the graphs of a step: on the int4 Qwen pair (2 cores, 48-token answers, three
-alternated rounds) ar measured 18.14 -> 20.68 tok/s (+14 %, every round) and sd 15.88 -> 16.87 (docs/performance.md).
-Spinning threads of *separate* pools compete instead: per-session pools with spinning on were 1.9x slower.
+alternated rounds) ar measured 18.14 -> 20.68 tok/s (+14 %, every round) and sd 15.88 -> 16.87; sd, mirror and
+auto +14-22 % in two more rounds (docs/performance.md). Spinning threads of *separate* pools compete instead:
+per-session pools with spinning on were 1.9x slower.
 
-The pool is the process's: ONNX Runtime takes its size once, so every shared-pool pipeline of a process uses the same
-thread count (another count raises DeviceError), and there is no per-session thread split (1 + 1): mode auto does
-not plan threads with it.
+The pool is the process's, and ONNX Runtime holds a process to it: it takes the pool's size once, and once the pool
+exists it refuses to open a session with threads of its own ("use_per_session_threads must be false when using a
+global thread pool"). So the pool is opt-in (a library may open pipelines with other thread counts in one process),
+and after it is created every later pipeline of the process runs on it, with its size (``resolve``). It has no
+per-model split (1 + 1 is a pool of one thread).
 """
 from __future__ import annotations
 
@@ -40,6 +43,21 @@ def use_shared_pool(options, threads: int) -> None:
                               f"--shared-pool off")
     options.use_per_session_threads = False
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+
+
+def resolve(requested: bool | None, threads: tuple[int, int], pool_size: int | None) -> bool:
+    """Whether a pipeline's ONNX Runtime CPU sessions run on the shared pool: as ``requested`` (None: no), except
+    that once the process holds one (``pool_size``, from shared_size()) every session must run on it; then asking
+    for pools of their own, or for a split, raises DeviceError (what ONNX Runtime would refuse, said plainly)."""
+    if pool_size is None:
+        return bool(requested)
+    if requested is False or not threads[0] == threads[1] == pool_size:
+        raise DeviceError(f"This process runs ONNX Runtime's CPU sessions on a shared pool of {pool_size} threads",
+                          "once that pool exists, ONNX Runtime refuses sessions with threads of their own, and the "
+                          f"pool has one size (asked: {threads[0]}+{threads[1]} threads, shared pool "
+                          f"{'off' if requested is False else 'default'})",
+                          f"load this pipeline with {pool_size} threads for both models, or in another process")
+    return True
 
 
 def shared_size() -> int | None:

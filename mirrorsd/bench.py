@@ -44,7 +44,8 @@ class BenchOptions:
     bandwidth: bool = True  # measure the memory-bandwidth ceiling of ar in the same run
     native_library: Path | None = None  # libmirrorsd for the c-* modes (default: built into the mirrorsd cache)
     kernels: str = "auto"  # MatMulNBits on ONNX Runtime CPU: auto | mirrorsd | ort (devices/kernel_choice.py)
-    shared_pool: bool = False  # mirrorsd's modes on one spinning ONNX Runtime pool (devices/thread_pool.py)
+    # mirrorsd's modes on one spinning ONNX Runtime pool (devices/thread_pool.py); None: where it can
+    shared_pool: bool | None = None
 
 
 @dataclass
@@ -317,8 +318,9 @@ def _baseline_pass(options: BenchOptions, questions: list[Question], progress: b
 
     n = options.baseline_threads
     outs: dict = {}
-    with Pipeline.load(options.model, DeviceRequest(target_threads=n, draft_threads=n,
-                                                    kernels=options.kernels)) as pipe:
+    shared = False if options.shared_pool is False else None  # where it can: the process's pool may be another size
+    with Pipeline.load(options.model, DeviceRequest(target_threads=n, draft_threads=n, kernels=options.kernels,
+                                                    shared_pool=shared)) as pipe:
         chat = has_chat_template(pipe)
         configs = {f"{mode}-{n}t": GenerationConfig(mode=mode, max_new_tokens=options.max_new_tokens,
                                                     gamma=options.gamma, chat=chat)

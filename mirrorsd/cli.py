@@ -25,7 +25,9 @@ Run an export folder written by mirrorsd-export.
 
 SHARED_POOL_HELP = ("run every ONNX Runtime CPU session on one thread pool for the process whose threads spin "
                     "between calls (devices/thread_pool.py): ar +14 %%, sd +6 %% on the int4 Qwen pair here; no per-"
-                    "session thread split, one thread count per process")
+                    "session thread split, one thread count per process. Default: off, except that mode auto takes "
+                    "it where its cached profile predicts it faster (`mirrorsd devices --profile` measures it); "
+                    "--no-shared-pool keeps auto off it too")
 KERNELS_HELP = ("MatMulNBits kernel of ONNX Runtime CPU sessions: mirrorsd (runtime/kernels, the faster), ort (ONNX "
                 "Runtime's), auto (mirrorsd's where it builds and runs). Both keep every mode exact")
 
@@ -64,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--static-draft", action="store_true",
                      help="run the fixed-shape draft (exported with --static-draft) on any device")
     gen.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto", help=KERNELS_HELP)
-    gen.add_argument("--shared-pool", action="store_true", help=SHARED_POOL_HELP)
+    gen.add_argument("--shared-pool", action=argparse.BooleanOptionalAction, default=None, help=SHARED_POOL_HELP)
     flags.add(gen, G, "streaming", "--no-streaming",
               help="sd/mirror: draft with the plain draft even when the export has a streaming draft "
                    "(draft_streaming.onnx, from mirrorsd-train-draft)")
@@ -118,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(bench, B, "native_library", "--native-lib", type=Path,
               help="libmirrorsd.so for the c-* modes (default: built with CMake into the mirrorsd cache)")
     flags.add(bench, B, "kernels", choices=KERNEL_CHOICES, help="as for generate")
-    flags.add(bench, B, "shared_pool", help="as for generate (mirrorsd's modes; not the ar-Nt baselines)")
+    flags.add(bench, B, "shared_pool", action=argparse.BooleanOptionalAction, help="as for generate")
     flags.add(bench, B, "output", help="folder for report.md, answers.jsonl, runs.json, speedup.png (checked before "
                                        "the run, written when it ends)")
     bench.add_argument("--force", action="store_true", help="replace --output if it holds a previous bench report")

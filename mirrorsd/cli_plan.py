@@ -104,7 +104,8 @@ def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int
 
 
 def splits_to_profile(threads: int | None) -> list[tuple[int, int]]:
-    """The thread splits ``devices --profile`` measures: every core per session, and one per session."""
+    """The thread splits ``devices --profile`` measures on pools of their own: every core per session, and one per
+    session (and, in a child process, every core on the shared pool: _measure_shared_pool)."""
     n = threads or max(1, os.cpu_count() or 1)
     return list(dict.fromkeys([(n, n), (1, 1)]))
 
@@ -119,8 +120,11 @@ def devices_table(args, measure: bool) -> int:
     request = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
                             kernels=args.kernels)
     if measure:
-        for pair in placement_candidates(load_manifest(args.model), request):
+        pairs = placement_candidates(load_manifest(args.model), request)
+        for pair in pairs:
             _measure_placement(args, replace(request, target=pair[0], draft=pair[1]))
+        if ("cpu", "cpu") in pairs:
+            _measure_shared_pool(args)
     with Pipeline.load(args.model, request) as pipe:
         found = pipe.placement_profiles(request)
         _, choice = pipe.planned_request(replace(request, plan_from_profile=True), found)
@@ -144,11 +148,47 @@ def _measure_placement(args, request) -> None:
     print(f"\nPlacement target {request.target}, draft {request.draft}:")
     for t, d in splits_to_profile(args.threads):
         try:
-            with Pipeline.load(args.model, replace(request, target_threads=t, draft_threads=d)) as pipe:
+            with Pipeline.load(args.model, replace(request, target_threads=t, draft_threads=d,
+                                                   shared_pool=False)) as pipe:
                 profile_for(pipe, progress=True)
         except MirrorSDError as exc:
             print(f"  not measured: {exc.what} ({exc.why})")
             return
+
+
+SHARED_CHILD = "import sys; from mirrorsd.cli_plan import profile_on_shared_pool; " \
+               "profile_on_shared_pool(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == '1')"
+
+
+def _measure_shared_pool(args) -> None:
+    """Profile both models on ONNX Runtime's CPU provider with every core on the process's shared pool, in a child
+    process: the pool is the process's, and once it exists ONNX Runtime opens no session with threads of its own
+    (devices/thread_pool.py), which this process (and a library user's) may still want."""
+    import subprocess
+    import sys
+
+    n = args.threads or max(1, os.cpu_count() or 1)
+    print(f"\nPlacement target cpu, draft cpu, one shared pool of {n} threads (in a child process):")
+    done = subprocess.run([sys.executable, "-c", SHARED_CHILD, str(args.model), str(n), args.kernels,
+                           "1" if args.static_draft else "0"], stdout=subprocess.PIPE, text=True)
+    print(done.stdout, end="")
+    if done.returncode != 0:
+        print(f"  not measured: the child process failed (exit {done.returncode}; its error is above)")
+
+
+def profile_on_shared_pool(model: str, threads: int, kernels: str, static_draft: bool) -> None:
+    """The child of _measure_shared_pool: add the shared-pool split to the cached profile of the cpu+cpu placement."""
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.errors import MirrorSDError
+    from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime.profiling import profile_for
+
+    request = DeviceRequest("cpu", "cpu", threads, threads, static_draft, kernels=kernels, shared_pool=True)
+    try:
+        with Pipeline.load(model, request) as pipe:
+            profile_for(pipe, progress=True)
+    except MirrorSDError as exc:
+        print(f"  not measured: {exc.what} ({exc.why})")
 
 
 def _cached_tables(found: dict, chain_pick: tuple[str, str]) -> list[str]:

@@ -36,9 +36,9 @@ class Profile:
     notes: tuple[str, ...] = ()
     created: str = ""
 
-    def split(self, target_threads: int, draft_threads: int) -> SplitCosts | None:
-        return next((s for s in self.splits if not s.name and (s.target_threads, s.draft_threads) ==
-                     (target_threads, draft_threads)), None)
+    def split(self, target_threads: int, draft_threads: int, shared_pool: bool = False) -> SplitCosts | None:
+        return next((s for s in self.splits if not s.name and s.key == (target_threads, draft_threads, shared_pool)),
+                    None)
 
     def with_split(self, costs: SplitCosts, detail: dict) -> "Profile":
         """This profile with ``costs`` added (replacing a split measured before with the same threads)."""
@@ -160,11 +160,14 @@ def save(profile: Profile, path: Path) -> Path:
 def cache_path(folder: Path, placement: dict[str, str]) -> Path:
     """Where the measured profile of export ``folder`` on this device set is cached: one file per export (by its
     manifest's hash) and placement (what runs each graph, kernels included, and for mirrorsd's kernels which build
-    and path: a rebuilt kernel library is measured again); every thread split lives inside."""
-    from mirrorsd.devices.placement import KERNELS_MARK
+    and path: a rebuilt kernel library is measured again); every thread split lives inside, the shared pool's
+    included."""
+    from mirrorsd.devices.placement import KERNELS_MARK, SHARED_POOL_MARK
     from mirrorsd.names import MANIFEST_FILE
 
     folder = Path(folder).resolve()
+    # the thread pool is part of the split (SplitCosts.shared_pool), not of the placement: one file holds both
+    placement = {role: where.replace(SHARED_POOL_MARK, "") for role, where in placement.items()}
     digest = hashlib.sha256((folder / MANIFEST_FILE).read_bytes())
     digest.update(json.dumps(sorted(placement.items())).encode())
     if any(KERNELS_MARK in where for where in placement.values()):

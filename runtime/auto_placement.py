@@ -6,10 +6,11 @@ profiles, together with the thread split (runtime/auto_threads.py).
                 chain does not take by default, e.g. OpenVINO's CPU plugin); the chain's own pick comes first
     profiles    the cached profile of each pair (``mirrorsd devices --profile --model EXPORT`` measures every
                 pair); a pair without one is listed as not measured and not ranked
-    choose      each pair's best thread split (auto_threads.choose_split; only the given split when threads were
-                given), then the pair whose best strategy is predicted fastest. The chain's pick is kept unless
-                another pair is predicted more than KEEP_MARGIN faster (a reload for a difference inside the
-                profile's noise buys nothing), and when the chain's pick has no profile nothing is compared
+    choose      each pair's best thread split (auto_threads.choose_split; only the splits the request allows:
+                the given threads, the given pool kind), then the pair whose best strategy is predicted
+                fastest. The chain's pick is kept unless another pair is predicted more than KEEP_MARGIN faster
+                (a reload for a difference inside the profile's noise buys nothing), and when the chain's pick
+                has no profile nothing is compared
 
 Every pair is ranked with one acceptance, the chain's pick's calibration (each pair's own where it has none): the
 two models are the same wherever they run, so only the costs may differ between pairs, not the acceptance noise of
@@ -17,11 +18,10 @@ separate calibrations. Pure: profiles and numbers in, a PlacementChoice out.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mirrorsd.runtime import auto_threads
-from mirrorsd.runtime.auto_threads import KEEP_MARGIN, ThreadChoice
-from mirrorsd.runtime.latency import rank
+from mirrorsd.runtime.auto_threads import KEEP_MARGIN, SplitRule, ThreadChoice
 
 
 @dataclass(frozen=True)
@@ -56,25 +56,27 @@ def ranking_acceptance(profiles: dict, chain_pick: tuple[str, str]):
     return here.acceptance if here is not None else None
 
 
-def choose_placement(profiles: dict, chain_pick: tuple[str, str], threads: tuple[int, int],
-                     threads_given: bool = False) -> PlacementChoice:
+def choose_placement(profiles: dict, chain_pick: tuple[str, str], current: tuple[int, int, bool],
+                     rule: SplitRule = SplitRule()) -> PlacementChoice:
     """The placement and thread split to run (see the module docstring). ``profiles``: (target device, draft
     device) -> its cached Profile or None; ``chain_pick``: the pair the auto chains chose (opened already, with
-    ``threads``); ``threads_given``: the user fixed the threads, so only that split is compared."""
+    ``current`` = (target threads, draft threads, shared pool)); ``rule``: the splits the request allows (given
+    threads: only that split is compared)."""
     prior = ranking_acceptance(profiles, chain_pick)
     best: dict = {}  # pair -> (tok/s, ThreadChoice, strategy name)
     candidates: dict = {}
+    threads, shared = current[:2], current[2]
     for pair, profile in profiles.items():
-        ranked = _best_on(profile, prior, threads, threads_given)
+        ranked = _best_on(profile, prior, current, rule)
         if isinstance(ranked, str):
             candidates[pair_name(pair)] = {"not ranked": ranked}
             continue
         best[pair] = ranked
         tok_s, choice, strategy = ranked
         candidates[pair_name(pair)] = {"best": strategy, "split": choice.split, "tokens_per_second": round(tok_s, 2)}
-    fallback = auto_threads.given(threads) if threads_given else auto_threads.default(
+    fallback = auto_threads.given(threads, shared) if rule.given else auto_threads.default(
         threads, "no cached profile of this export and placement (`mirrorsd devices --profile --model EXPORT` "
-                 "measures one)")
+                 "measures one)", shared)
     if chain_pick not in best:
         reason = candidates.get(pair_name(chain_pick), {}).get("not ranked", "no cached profile")
         choice = default(chain_pick, fallback, f"nothing to compare it with ({reason})")
@@ -94,22 +96,19 @@ def choose_placement(profiles: dict, chain_pick: tuple[str, str], threads: tuple
                            f"{kept[0]:.1f})", candidates)
 
 
-def _best_on(profile, prior, threads: tuple[int, int], threads_given: bool):
-    """(predicted tok/s, ThreadChoice, strategy) of ``profile``'s best split, or why it cannot be ranked."""
+def _best_on(profile, prior, current: tuple[int, int, bool], rule: SplitRule):
+    """(predicted tok/s, ThreadChoice, strategy) of ``profile``'s best split that ``rule`` allows, or why it
+    cannot be ranked."""
     if profile is None:
         return "no cached profile (`mirrorsd devices --profile --model EXPORT` measures every placement)"
     acceptance = prior or profile.acceptance
     if acceptance is None:
         return "its profile has no acceptance statistics yet"
-    if threads_given:
-        split = profile.split(*threads)
-        if split is None:
-            return f"its profile has no {threads[0]}+{threads[1]} split"
-        row = rank([split], acceptance).best
-        return row.tokens_per_second, auto_threads.given(threads), row.strategy.name
-    choice = auto_threads.choose_split(profile, acceptance, threads)
+    choice = auto_threads.choose_split(profile, acceptance, current, rule)
     if choice.source != "profile":
         return choice.why
+    if rule.given:  # the threads were asked for; the profile chose only the pool
+        choice = replace(choice, source="given")
     row = choice.candidates.get(choice.split)
     return row["tokens_per_second"], choice, row["best"]
 

@@ -68,6 +68,7 @@ class SplitCosts:
     prefix_s: tuple[float, ...] = ()  # [w - 1] -> the prefix graph alone (the exit layer's depth); () = unknown
     label: str = ""  # the placement in words, e.g. "target cpu 2t, draft cpu 2t"
     name: str = ""  # a short name for the split in tables ("" = the thread split, e.g. "2+2")
+    shared_pool: bool = False  # ONNX Runtime's CPU sessions on the process's one pool (devices/thread_pool.py)
 
     @property
     def max_gamma(self) -> int:
@@ -75,7 +76,19 @@ class SplitCosts:
 
     @property
     def split(self) -> str:
-        return self.name or f"{self.target_threads}+{self.draft_threads}"
+        return self.name or split_name(self.target_threads, self.draft_threads, self.shared_pool)
+
+    @property
+    def key(self) -> tuple[int, int, bool]:
+        """(target threads, draft threads, shared pool): what a pipeline's ``thread_key`` matches."""
+        return self.target_threads, self.draft_threads, self.shared_pool
+
+
+def split_name(target_threads: int, draft_threads: int, shared_pool: bool = False) -> str:
+    """"2+2" (a pool of its own per session), "2 shared" (one pool of 2 threads for every session)."""
+    if shared_pool and target_threads == draft_threads:
+        return f"{target_threads} shared"
+    return f"{target_threads}+{draft_threads}" + (" shared" if shared_pool else "")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from mirrorsd.runtime import auto_threads, limits
 from mirrorsd.runtime.ar_probe import ArProbe
 from mirrorsd.runtime.auto import AutoProposer, blend, running_weight
 from mirrorsd.runtime.config import AUTO, GenerationConfig
-from mirrorsd.runtime.latency import Strategy
+from mirrorsd.runtime.latency import Strategy, split_name
 from mirrorsd.runtime.decoder import DecodeSettings, decode
 from mirrorsd.runtime.mirror import MirrorProposer
 from mirrorsd.runtime.models import TargetModel
@@ -70,7 +70,8 @@ class Pipeline:
         self._profile = None  # mode auto: this export's measured profile (runtime/profiling.py), loaded once
         self._acceptance = None  # mode auto: the acceptance the last generations measured (else the profile's)
         self._measured_generations = 0  # mode auto: generations whose acceptance went into _acceptance
-        self.thread_choice = auto_threads.default(threads, "threads not planned (DeviceRequest.plan_from_profile off)")
+        self.thread_choice = auto_threads.default(threads, "threads not planned (DeviceRequest.plan_from_profile off)",
+                                                  self.shared_pool)
         self.placement_choice = None  # mode auto: the PlacementChoice it was loaded with (plan_from_profile)
 
     @classmethod
@@ -89,7 +90,7 @@ class Pipeline:
         threads = (devices.target_threads or default_threads(), devices.draft_threads or default_threads())
         pipe = cls(folder, manifest, *cls._open(folder, manifest, devices, threads), threads)
         if devices.target_threads or devices.draft_threads:
-            pipe.thread_choice = auto_threads.given(threads)
+            pipe.thread_choice = auto_threads.given(threads, pipe.shared_pool)
         if devices.plan_from_profile:
             request, choice = pipe.planned_request(devices)
             if request is not None:
@@ -102,6 +103,16 @@ class Pipeline:
     def device_strings(self) -> dict[str, str]:
         """The device string each model runs on ({"target": "cpu", "draft": "openvino:CPU"}): what reopens it."""
         return {p.model: p.device for p in self.placements.values()}
+
+    @property
+    def shared_pool(self) -> bool:
+        """Whether this pipeline's ONNX Runtime CPU sessions run on the process's shared pool."""
+        return any(p.shared_pool for p in self.placements.values())
+
+    @property
+    def thread_key(self) -> tuple[int, int, bool]:
+        """(target threads, draft threads, shared pool): the split of a profile this pipeline runs."""
+        return (*self.threads, self.shared_pool)
 
     @property
     def device_pair(self) -> tuple[str, str]:
@@ -124,28 +135,32 @@ class Pipeline:
         """(the DeviceRequest to reopen with, or None to keep this pipeline; the PlacementChoice): the placement
         and thread split the cached profiles of this export (``found``: placement_profiles) predict fastest
         (runtime/auto_placement.py), among the devices ``devices`` allows here; nothing is measured."""
-        from dataclasses import replace as dc_replace
-
+        from mirrorsd.devices import thread_pool
         from mirrorsd.runtime.auto_placement import choose_placement
+        from mirrorsd.runtime.auto_threads import SplitRule
 
         found = self.placement_profiles(devices) if found is None else found
         chain_pick = self.device_pair
-        given = bool(devices.target_threads or devices.draft_threads or devices.shared_pool)  # one pool: no split
-        choice = choose_placement(found, chain_pick, self.threads, given)
-        if choice.devices == chain_pick and choice.threads.threads == self.threads:
+        given = bool(devices.target_threads or devices.draft_threads)
+        rule = SplitRule(self.threads if given else None, devices.shared_pool, thread_pool.shared_size())
+        choice = choose_placement(found, chain_pick, self.thread_key, rule)
+        if choice.devices == chain_pick and choice.threads.key == self.thread_key:
             return None, choice
         target_threads, draft_threads = choice.threads.threads
-        return dc_replace(devices, target=choice.devices[0], draft=choice.devices[1], target_threads=target_threads,
-                          draft_threads=draft_threads), choice
+        return replace(devices, target=choice.devices[0], draft=choice.devices[1], target_threads=target_threads,
+                          draft_threads=draft_threads, shared_pool=choice.threads.shared_pool), choice
 
     @staticmethod
     def _open(folder: Path, manifest: Manifest, devices, threads: tuple[int, int]) -> tuple[dict, dict]:
         """(sessions, placements) of every graph, with ``threads`` intra-op threads (target, draft)."""
+        from mirrorsd.devices import thread_pool
         from mirrorsd.devices.placement import open_graph, plan_placement
 
         timelines = {"target": Timeline(), "draft": Timeline()}
         sessions, placements = {}, {}
         plan = plan_placement(manifest, devices)  # decided once for both models; warns when auto fell back
+        devices = replace(devices, shared_pool=thread_pool.resolve(devices.shared_pool, threads,
+                                                                   thread_pool.shared_size()))
         for role in names.GRAPH_ROLES:
             spec = manifest.graph(plan.graph_role(role))  # the draft may be served by draft_static
             backend, placement = open_graph(graph_path(folder, spec), spec.model, devices,
@@ -279,23 +294,23 @@ class Pipeline:
         measured now (seconds to a minute) and cached. Mode auto plans from it."""
         from mirrorsd.runtime.profiling import profile_for
 
-        if self._profile is None or refresh or self._profile.split(*self.threads) is None:
+        if self._profile is None or refresh or self._profile.split(*self.thread_key) is None:
             self._profile = profile_for(self, progress, refresh)
         return self._profile
 
     def use_profile(self, profile) -> None:
         """Plan mode auto from ``profile`` (a mirrorsd.profile.Profile holding a split with this pipeline's threads)
         instead of the measured one: a what-if, or a test that fixes the costs and keeps the measured acceptance."""
-        if profile.split(*self.threads) is None:
+        if profile.split(*self.thread_key) is None:
             from mirrorsd.errors import ProfileError
 
             raise ProfileError("The profile has no split with this pipeline's threads",
-                               f"the pipeline runs {self.threads[0]}+{self.threads[1]} threads",
+                               f"the pipeline runs {split_name(*self.thread_key)} threads",
                                "add that split, or load the pipeline with matching threads")
         self._profile = profile
 
     def _profile_costs(self):
-        return self._profile.split(*self.threads)
+        return self._profile.split(*self.thread_key)
 
     def auto_proposer(self, config: GenerationConfig, prompt_tokens: int = 0) -> AutoProposer:
         """The proposer of mode auto: plans from the profile and the acceptance measured so far, for a generation

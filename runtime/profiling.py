@@ -25,7 +25,7 @@ import numpy as np
 
 from mirrorsd import profile as profiles
 from mirrorsd.runtime.config import GenerationConfig
-from mirrorsd.runtime.latency import Acceptance, SplitCosts, alpha_from_mean_accepted
+from mirrorsd.runtime.latency import Acceptance, SplitCosts, alpha_from_mean_accepted, split_name
 from mirrorsd.runtime.rollout import branches, fresh
 from mirrorsd.runtime.sampling import GREEDY
 from mirrorsd.runtime.verify import Branch, greedy_tokens
@@ -93,7 +93,7 @@ def measure_split(pipe, max_gamma: int = MAX_GAMMA, repeats: int = REPEATS, tick
     costs = SplitCosts(target_threads=t_threads, draft_threads=d_threads, verify_s=target["verify_s"],
                        exit_s=target["exit_s"], draft1_s=draft1, branch_fwd_s=branch_fwd, branch_batch=branch_batch,
                        c_target=c_target, c_draft=c_draft, stream_window_s=stream, draft_prefill_s=prefill,
-                       prefix_s=tuple(target["prefix_parts"]),
+                       prefix_s=tuple(target["prefix_parts"]), shared_pool=pipe.shared_pool,
                        label=f"target {pipe.placements['prefix'].describe()} x{t_threads}, "
                              f"draft {pipe.placements['draft'].describe()} x{d_threads}, {exit_kind(pipe)} exit head")
     detail = {k: [round(x, 6) for x in v] for k, v in target.items() if k.endswith("_parts") or k == "exit_full_s"}
@@ -306,7 +306,7 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
         current = profiles.Profile(kind="measured", machine=machine_words(), splits=(),
                                    export={"folder": str(pipe.folder), "placement": placement, "devices": devices},
                                    created=profiles.now())
-    need_split = current.split(*pipe.threads) is None
+    need_split = current.split(*pipe.thread_key) is None
     # an acceptance calibrated on another prompt set (an older mirrorsd) is measured again
     need_acceptance = (current.acceptance is None
                        or current.calibration.get("prompts") != len(CALIBRATION_PROMPTS))
@@ -315,7 +315,7 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
     current = profiles.Profile(**{**current.__dict__, "export": {**current.export, "devices": devices}})
     steps = (REPEATS + 5 if need_split else 0) + (2 * len(CALIBRATION_PROMPTS) if need_acceptance else 0)
     bar = tqdm(total=steps, disable=not progress,
-               desc=f"profiling {pipe.threads[0]}+{pipe.threads[1]} threads", unit="step")
+               desc=f"profiling {split_name(*pipe.thread_key)} threads", unit="step")
     try:
         if need_split:
             costs, detail = measure_split(pipe, tick=lambda: bar.update(1))
@@ -323,7 +323,7 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
         if need_acceptance:
             acceptance, how = calibrate(pipe, tick=lambda: bar.update(1))
             current = profiles.Profile(**{**current.__dict__, "acceptance": acceptance, "calibration": how})
-            costs = current.split(*pipe.threads)  # the calibrated split: fit Mirror-SD's host time on it
+            costs = current.split(*pipe.thread_key)  # the calibrated split: fit Mirror-SD's host time on it
             index = current.splits.index(costs)
             current = current.with_split(fit_mirror_host(costs, acceptance, how), current.detail[index])
     finally:

@@ -96,3 +96,14 @@ def native_models(native_build):
     yield get
     for model in opened.values():
         model.close()
+
+
+@pytest.fixture(autouse=True)
+def no_shared_pool_in_this_process():
+    """ONNX Runtime's shared pool binds the process that creates it (devices/thread_pool.py): later pipelines with
+    threads of their own would fail to open. Tests that create it do so in a child process; this says which test
+    broke that, instead of letting every later test fail."""
+    yield
+    from mirrorsd.devices.thread_pool import shared_size
+
+    assert shared_size() is None, "this test created ONNX Runtime's shared pool in the test process: use a child"

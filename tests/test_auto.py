@@ -208,14 +208,14 @@ def test_choose_split_by_hand():
     one = split_costs(1, 1, verify=0.010, draft1=0.001)  # ar 100 tok/s; mirror hides its cheap draft
     profile = Profile("measured", "test", (both, one))
     good, useless = Acceptance(0.9, 0.9, 0.9, "test"), Acceptance(0.0, 0.0, 0.0, "test")
-    choice = choose_split(profile, good, (2, 2))
+    choice = choose_split(profile, good, (2, 2, False))
     assert choice.threads == (1, 1) and choice.source == "profile", choice
     assert choice.candidates["1+1"]["best"].startswith("mirror") and choice.candidates["2+2"]["best"].startswith("sd")
-    assert choose_split(profile, useless, (1, 1)).threads == (2, 2)  # ar: 111 > 1.05 x 100
+    assert choose_split(profile, useless, (1, 1, False)).threads == (2, 2)  # ar: 111 > 1.05 x 100
     close = Profile("measured", "test", (split_costs(2, 2, 0.0098, 0.004, 2.0), one))
-    kept = choose_split(close, useless, (1, 1))  # ar 102 vs 100 tok/s: inside the margin, no reload
+    kept = choose_split(close, useless, (1, 1, False))  # ar 102 vs 100 tok/s: inside the margin, no reload
     assert kept.threads == (1, 1) and "kept" in kept.why
-    assert choose_split(profile, None, (2, 2)).source == "default"
+    assert choose_split(profile, None, (2, 2, False)).source == "default"
 
 
 def test_auto_loads_the_thread_split_its_cached_profile_predicts_fastest(same_draft, tmp_path):

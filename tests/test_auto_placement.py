@@ -11,6 +11,7 @@ import pytest
 
 from mirrorsd.profile import Profile
 from mirrorsd.runtime.auto_placement import choose_placement
+from mirrorsd.runtime.auto_threads import SplitRule
 from mirrorsd.runtime.latency import Acceptance, SplitCosts
 
 from markers import needs_openvino
@@ -28,7 +29,7 @@ def profile(verify_ms: float, acceptance: Acceptance | None = USELESS, splits=((
 
 
 def test_takes_the_placement_predicted_fastest():
-    choice = choose_placement({CPU: profile(100.0), OV: profile(50.0)}, CPU, (2, 2))
+    choice = choose_placement({CPU: profile(100.0), OV: profile(50.0)}, CPU, (2, 2, False))
     assert choice.devices == OV and choice.source == "profile", choice.why
     assert choice.candidates["cpu+cpu"]["tokens_per_second"] == pytest.approx(10.0)
     assert choice.candidates["cpu+openvino:CPU"]["tokens_per_second"] == pytest.approx(20.0)
@@ -36,11 +37,11 @@ def test_takes_the_placement_predicted_fastest():
 
 
 def test_keeps_the_chain_pick_inside_the_margin_and_without_a_profile():
-    kept = choose_placement({CPU: profile(100.0), OV: profile(97.0)}, CPU, (2, 2))  # 3 % faster: noise
+    kept = choose_placement({CPU: profile(100.0), OV: profile(97.0)}, CPU, (2, 2, False))  # 3 % faster: noise
     assert kept.devices == CPU and "kept" in kept.why
-    unmeasured = choose_placement({CPU: profile(100.0), OV: None}, CPU, (2, 2))
+    unmeasured = choose_placement({CPU: profile(100.0), OV: None}, CPU, (2, 2, False))
     assert unmeasured.devices == CPU and "not ranked" in unmeasured.candidates["cpu+openvino:CPU"]
-    nothing = choose_placement({CPU: None, OV: profile(10.0)}, CPU, (2, 2))  # nothing to compare the pick with
+    nothing = choose_placement({CPU: None, OV: profile(10.0)}, CPU, (2, 2, False))  # nothing to compare the pick with
     assert nothing.devices == CPU and nothing.source == "default"
 
 
@@ -48,7 +49,7 @@ def test_ranks_every_placement_with_the_chain_picks_acceptance():
     """The other profile's own calibration says the draft is perfect; the chain pick's says useless. With one
     acceptance (the pick's) for both, only costs differ: here they are equal, so the pick stays."""
     perfect = Acceptance(0.95, 0.9, 0.9, "test")
-    choice = choose_placement({CPU: profile(100.0), OV: profile(100.0, perfect)}, CPU, (2, 2))
+    choice = choose_placement({CPU: profile(100.0), OV: profile(100.0, perfect)}, CPU, (2, 2, False))
     assert choice.devices == CPU
     assert choice.candidates["cpu+openvino:CPU"]["best"].startswith("ar")
 
@@ -58,9 +59,9 @@ def test_given_threads_compare_only_that_split():
     other = Profile(**{**profile(100.0).__dict__, "splits": (
         SplitCosts(2, 2, (0.2,) * 7, (0.0,) * 7, 0.01, 0.01, 2), SplitCosts(1, 1, (0.01,) * 7, (0.0,) * 7, 0.01,
                                                                            0.01, 2))})
-    given = choose_placement({CPU: fast_1t, OV: other}, CPU, (2, 2), threads_given=True)
-    assert given.devices == CPU and given.threads.source == "given"  # OV's fast 1+1 split is not what was asked
-    free = choose_placement({CPU: fast_1t, OV: other}, CPU, (2, 2))
+    given = choose_placement({CPU: fast_1t, OV: other}, CPU, (2, 2, False), SplitRule(threads=(2, 2)))
+    assert given.devices == CPU and given.threads.threads == (2, 2)  # OV's fast 1+1 split is not what was asked
+    free = choose_placement({CPU: fast_1t, OV: other}, CPU, (2, 2, False))
     assert free.devices == OV and free.threads.threads == (1, 1)
 
 
