@@ -37,10 +37,10 @@ def use_shared_pool(options, threads: int) -> None:
             _pybind_state.set_global_thread_pool_sizes(threads, 1)
             _size = threads
         elif _size != threads:
+            # Pipeline loads are refused earlier, by resolve(); this guards direct open_graph callers (scripts)
             raise DeviceError(f"The shared thread pool of this process has {_size} threads, not {threads}",
-                              "ONNX Runtime sizes its process-wide pool once",
-                              f"use --threads {_size} for every shared-pool pipeline of this process, or leave "
-                              f"--shared-pool off")
+                              "ONNX Runtime sizes its process-wide pool once, and then every session runs on it",
+                              f"open every session of this process with {_size} threads, or use another process")
     options.use_per_session_threads = False
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
 

@@ -5,7 +5,6 @@ measurement; the table says so in its title.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,7 +105,9 @@ def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int
 def splits_to_profile(threads: int | None) -> list[tuple[int, int]]:
     """The thread splits ``devices --profile`` measures on pools of their own: every core per session, and one per
     session (and, in a child process, every core on the shared pool: _measure_shared_pool)."""
-    n = threads or max(1, os.cpu_count() or 1)
+    from mirrorsd.devices.backends import default_threads
+
+    n = threads or default_threads()
     return list(dict.fromkeys([(n, n), (1, 1)]))
 
 
@@ -167,7 +168,9 @@ def _measure_shared_pool(args) -> None:
     import subprocess
     import sys
 
-    n = args.threads or max(1, os.cpu_count() or 1)
+    from mirrorsd.devices.backends import default_threads
+
+    n = args.threads or default_threads()
     print(f"\nPlacement target cpu, draft cpu, one shared pool of {n} threads (in a child process):")
     done = subprocess.run([sys.executable, "-c", SHARED_CHILD, str(args.model), str(n), args.kernels,
                            "1" if args.static_draft else "0"], stdout=subprocess.PIPE, text=True)

@@ -148,7 +148,7 @@ class Pipeline:
             return None, choice
         target_threads, draft_threads = choice.threads.threads
         return replace(devices, target=choice.devices[0], draft=choice.devices[1], target_threads=target_threads,
-                          draft_threads=draft_threads, shared_pool=choice.threads.shared_pool), choice
+                       draft_threads=draft_threads, shared_pool=choice.threads.shared_pool), choice
 
     @staticmethod
     def _open(folder: Path, manifest: Manifest, devices, threads: tuple[int, int]) -> tuple[dict, dict]:
