@@ -14,7 +14,7 @@ from mirrorsd.errors import GenerationInputError
 from mirrorsd.runtime.sampling import RULES
 
 MODES = ("ar", "sd", "mirror")  # target only; draft then verify; draft branches while the target verifies
-AUTO = "auto"  # the mode (and its settings) the latency model predicts fastest here (runtime/auto.py)
+AUTO = "auto"  # the mode (and its settings) the latency model predicts fastest here (runtime/planner/auto.py)
 MODE_CHOICES = (AUTO, *MODES)
 BRANCH_BUDGETS = ("time", "cap")
 DRAFT_FAILURE = ("raise", "fallback")
