@@ -16,7 +16,7 @@ from mirrorsd.runtime.sampling import RULES
 MODES = ("ar", "sd", "mirror", "ngram")  # target only; draft then verify; draft branches while the target verifies;
 #                                         windows copied from earlier text (prompt lookup, runtime/ngram.py)
 NGRAM_MAX = 16  # longest suffix n-gram a lookup may match
-AUTO = "auto"  # the mode (and its settings) the latency model predicts fastest here (runtime/auto.py)
+AUTO = "auto"  # the mode (and its settings) the latency model predicts fastest here (runtime/planner/auto.py)
 MODE_CHOICES = (AUTO, *MODES)
 BRANCH_BUDGETS = ("time", "cap")
 DRAFT_FAILURE = ("raise", "fallback")

@@ -296,7 +296,7 @@ def test_export_defaults_apply_unless_overridden(pipe, monkeypatch):
 def test_cli_sampling_flags_and_json(exported, capsys):
     import json
 
-    from mirrorsd.cli import main
+    from mirrorsd.apps.cli import main
 
     argv = ["generate", "--model", str(exported("llama", draft_layers=3)), "--prompt", "Hello", "--max-new-tokens",
             "12", "--sample", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.95", "--repetition-penalty",

@@ -34,7 +34,7 @@ KERNELS_HELP = ("MatMulNBits kernel of ONNX Runtime CPU sessions: mirrorsd (runt
 
 def build_parser() -> argparse.ArgumentParser:
     from mirrorsd import flags, specbench
-    from mirrorsd.bench import BenchOptions as B
+    from mirrorsd.apps.bench import BenchOptions as B
     from mirrorsd.names import PRECISIONS
     from mirrorsd.runtime.config import MODE_CHOICES, GenerationConfig as G
     from mirrorsd.runtime.sampling import RULES
@@ -221,7 +221,7 @@ def generation_config(args):
 def bench_options(args):
     """The BenchOptions that ``mirrorsd bench``'s flags ask for."""
     from mirrorsd import flags
-    from mirrorsd.bench import BenchOptions
+    from mirrorsd.apps.bench import BenchOptions
 
     return flags.build(BenchOptions, args, modes=tuple(m for m in args.modes.split(",") if m),
                        categories=tuple(c for c in args.categories.split(",") if c),
@@ -273,17 +273,17 @@ def _devices(args) -> int:
             print(f"  cannot place it: {exc}")
             return exc.exit_code
         print("\n".join(plan.lines(manifest)))
-        from mirrorsd.cli_plan import devices_table
+        from mirrorsd.apps.plan import devices_table
 
         return devices_table(args, measure=args.profile)
     return 0
 
 
 def _bench(args) -> int:
-    from mirrorsd.bench import check_options, run_bench
-    from mirrorsd.bench_report import markdown, write_outputs
+    from mirrorsd.apps.bench import check_options, run_bench
+    from mirrorsd.apps.bench_report import markdown, write_outputs
     from mirrorsd.output_folder import BENCH, check_output, staged
-    from mirrorsd.peers import is_peer_mode
+    from mirrorsd.apps.peers import is_peer_mode
 
     options = bench_options(args)
     check_options(options)
@@ -308,7 +308,7 @@ def _quantize(args) -> int:
 
 
 def _plan(args) -> int:
-    from mirrorsd.cli_plan import plan_command
+    from mirrorsd.apps.plan import plan_command
 
     return plan_command(args)
 
