@@ -29,6 +29,7 @@ from mirrorsd.runtime.planner.latency import Strategy, split_name
 from mirrorsd.runtime.decoder import DecodeSettings, decode
 from mirrorsd.runtime.mirror import MirrorProposer
 from mirrorsd.runtime.models import TargetModel
+from mirrorsd.runtime.ngram import NgramIndex, NgramProposer, NgramSettings
 from mirrorsd.runtime.proposers import SerialDraft, TargetOnly
 from mirrorsd.runtime.sampling import Sampler, SamplingParams
 from mirrorsd.runtime.session import GraphSession, Timeline, graph_path
@@ -365,10 +366,13 @@ class Pipeline:
     def _proposer(self, config: GenerationConfig):
         if config.mode == "ar":
             return TargetOnly()
+        lookup = NgramSettings(config.ngram_min, config.ngram_max)
+        if config.mode == "ngram":
+            return NgramProposer(self.manifest.target.vocab_size, lookup)
         streaming = self.streaming_draft if config.streaming else None
         draft, lookahead = (streaming, True) if streaming else (self.draft, False)  # the streams are lookahead
         if config.mode == "sd":
-            return SerialDraft(draft, lookahead)
+            return SerialDraft(draft, lookahead, NgramIndex(lookup) if config.ngram else None)
         settings = config.mirror
         if self._mirror is None or self._mirror.settings != settings or self._mirror.draft is not draft:
             if self._mirror is not None:

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
               help="auto: the fastest of the others as predicted from this machine's measured profile (it picks "
                    "gamma and the exit head too, and re-plans if the prediction fails; measured once per export and "
                    "device set, then cached); ar: target only; sd: draft then verify; mirror: draft branches run "
-                   "during verification")
+                   "during verification; ngram: windows copied from earlier text (prompt lookup, no draft model)")
     flags.add(gen, G, "max_new_tokens", help="tokens to generate at most (EOS and the context may stop it earlier)")
     flags.add(gen, G, "gamma", help="draft window: tokens proposed per step (auto picks its own, 1..6)")
     flags.add(gen, G, "branches", help="mirror: branches rolled out per step at most")
@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the fixed-shape draft (exported with --static-draft) on any device")
     gen.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto", help=KERNELS_HELP)
     gen.add_argument("--shared-pool", action=argparse.BooleanOptionalAction, default=None, help=SHARED_POOL_HELP)
+    flags.add(gen, G, "ngram", help="sd: feed the draft a prompt-lookup guess as lookahead (the same windows, fewer "
+                                    "draft forwards where the text repeats)")
+    flags.add(gen, G, "ngram_min", help="ngram, sd --ngram: the shortest earlier n-gram a lookup matches")
+    flags.add(gen, G, "ngram_max", help="ngram, sd --ngram: the longest n-gram a lookup tries first")
     flags.add(gen, G, "streaming", "--no-streaming",
               help="sd/mirror: draft with the plain draft even when the export has a streaming draft "
                    "(draft_streaming.onnx, from mirrorsd-train-draft)")
