@@ -77,3 +77,23 @@ def ort_int8_kernel_difference() -> float:
     """The largest window-vs-row difference of ONNX Runtime's int8-activation MatMulNBits here (0.0: exact)."""
     cores = max(1, os.cpu_count() or 1)
     return max(window_vs_rows(bits, threads) for bits in (4, 8) for threads in sorted({1, cores}))
+
+
+def inexact_windows(manifest, placements: dict) -> str:
+    """Why a verification window's rows would not be bitwise the rows ar decodes, or "" (the usual case): only a
+    target with int8 activations (a quantized grouped-attention export) run by ONNX Runtime's own CPU kernel on
+    a CPU where that kernel's one-row path differs from its several-row path. ``placements``: graph role ->
+    devices.placement.Placement of a loaded pipeline."""
+    precision = manifest.export_options.get("target_precision")
+    if manifest.attention != "grouped" or precision not in ("int4", "int8"):
+        return ""
+    ort_kernel = [p for role, p in placements.items() if p.model == "target" and p.backend == "onnxruntime"
+                  and "CPU" in p.effective and p.kernels != "mirrorsd"]
+    if not ort_kernel:
+        return ""
+    difference = ort_int8_kernel_difference()
+    if difference == 0.0:
+        return ""
+    return (f"the {precision} target runs ONNX Runtime's MatMulNBits kernel with int8 activations, whose one-row "
+            f"path differs from its several-row path on this CPU (by {difference:.1e} per layer, measured "
+            f"at load), so verification windows drift from one-row decoding")

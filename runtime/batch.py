@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mirrorsd.errors import GenerationInputError
 from mirrorsd.runtime.models import TargetModel
 from mirrorsd.runtime.verify import greedy_tokens
 
@@ -20,6 +21,17 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndar
         ids[row, width - len(prompt):] = prompt
         mask[row, width - len(prompt):] = 1
     return ids, mask
+
+
+def check_batch(prompts: list[list[int]], max_new_tokens: int, context_limit: int | None = None) -> None:
+    """Non-empty prompts and max_new_tokens >= 1; with ``context_limit``, the longest prompt plus max_new_tokens
+    within it."""
+    if not prompts or any(not p for p in prompts) or max_new_tokens < 1:
+        raise GenerationInputError("generate_batch needs non-empty prompts and max_new_tokens >= 1",
+                                   "there is nothing to generate", "check the arguments")
+    if context_limit is not None and max(len(p) for p in prompts) + max_new_tokens > context_limit:
+        raise GenerationInputError("A prompt plus max_new_tokens exceeds the context",
+                                   f"the exported graphs allow {context_limit} tokens", "shorten it")
 
 
 def generate_batch(target: TargetModel, prompts: list[list[int]], max_new_tokens: int,

@@ -6,10 +6,14 @@
                                            caches and logits a request needs (gamma, branch_batch, the context)
                                            within this machine's memory
     check_vocabularies(manifest)           draft and target logits of one width (an older export may differ)
+    prompt_ids(prompt, vocab)              token ids given as a prompt are integers of the vocabulary
+    check_prompt(ids, context_limit)       a prompt is not empty and leaves room for one new token
+    check_exact(mode, inexact)             sd/mirror/ngram refuse to run where their windows would not be exact
     check_finite(logits)                   NaN or infinite target logits are an error, not token 0 forever
 """
 from __future__ import annotations
 
+import operator
 import os
 
 import numpy as np
@@ -99,3 +103,33 @@ def check_finite(logits: np.ndarray, model: str = "target") -> np.ndarray:
                                "decoding on would emit a meaningless token forever",
                                "re-export the model (fp32 first) and check its source weights")
     return logits
+
+
+def prompt_ids(prompt, vocab: int) -> list[int]:
+    """``prompt`` (token ids) as a list of ints within 0..vocab-1."""
+    try:
+        ids = [operator.index(t) for t in prompt]  # ints and NumPy ints; not floats, strings or lists
+    except TypeError:
+        raise GenerationInputError("Prompt ids must be integers", f"the prompt holds {prompt!r:.80}",
+                                   "pass text, or token ids from this export's tokenizer") from None
+    if any(not 0 <= t < vocab for t in ids):
+        raise GenerationInputError("Prompt ids out of range", f"ids must be in 0..{vocab - 1}",
+                                   "encode text with this export's tokenizer")
+    return ids
+
+
+def check_prompt(ids: list[int], context_limit: int) -> None:
+    if not ids:
+        raise GenerationInputError("The prompt is empty", "there is nothing to continue", "pass some text")
+    if len(ids) + 1 > context_limit:
+        raise GenerationInputError(f"The prompt has {len(ids)} tokens",
+                                   f"the exported graphs allow {context_limit} in all", "shorten the prompt")
+
+
+def check_exact(mode: str, inexact: str) -> None:
+    """``inexact``: why verification windows would drift from ar here ("" when they do not)."""
+    if mode != "ar" and inexact:
+        raise GenerationInputError(
+            f"--mode {mode} would not reproduce target-only decoding here", inexact,
+            "pass --kernels mirrorsd or auto (mirrorsd's kernels need a C++ compiler: bash scripts/setup.sh "
+            "installs one), or use --mode ar")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from mirrorsd.runtime.sampling import SamplingParams
+
 
 @dataclass
 class StepCounters:
@@ -101,3 +103,18 @@ def summarize(mode: str, counters: StepCounters, prompt_tokens: int, new_tokens:
         target_busy_s=sum(e - s for s, e in target_busy), draft_busy_s=draft_time, draft_hidden_s=hidden,
         overlap_ratio=hidden / draft_time if draft_time > 0 else 0.0, finish_reason=finish_reason,
         placement=dict(placement), auto=dict(auto or {}))
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    prompt_tokens: list[int]
+    stats: GenerationStats
+    margins: list[float] = field(default_factory=list)
+    sampling: SamplingParams = SamplingParams()  # what was used, seed included: pass it back to repeat the run
+
+    @property
+    def finish_reason(self) -> str:
+        """Why generation stopped: "eos" (an EOS token), "length" (max_new_tokens) or "context" (the context limit)."""
+        return self.stats.finish_reason

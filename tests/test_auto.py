@@ -8,6 +8,7 @@ from mirrorsd.runtime import GenerationConfig
 from mirrorsd.runtime.planner.auto import AutoProposer
 from mirrorsd.runtime.decoder import DecodeSettings, decode
 from mirrorsd.runtime.planner.latency import Strategy
+from mirrorsd.runtime.planner.planner import concrete
 from mirrorsd.runtime.sampling import GREEDY
 
 PROMPT = "def add(a, b):"
@@ -128,7 +129,7 @@ def test_switching_modes_mid_generation_keeps_parity_with_ar(draft, same_draft, 
     script = [Strategy("sd", 3), Strategy("mirror", 4), Strategy("ar"), Strategy("mirror", 2, exit_head=False),
               Strategy("sd", 5), Strategy("mirror", 6), Strategy("ar"), Strategy("sd", 1)] * 2
     profile = pipe.profile()
-    proposer = Scripted(lambda s: pipe._proposer(pipe.concrete(config, s)), pipe._profile_costs(),
+    proposer = Scripted(lambda s: pipe._proposer(concrete(config, s)), pipe.planner.costs(pipe.thread_key),
                         profile.acceptance, script=script, every=2)
     settings = DecodeSettings(TOKENS, pipe.manifest.tokenizer.eos_token_ids, pipe.context_limit,
                               proposer.costs.max_gamma, sampler=GREEDY)
@@ -151,7 +152,8 @@ def test_replans_to_ar_when_acceptance_collapses(random_draft, pipelines):
     with_costs(pipe)  # fixed costs: with measured ones a loaded machine could make even a perfect draft lose
     profile = pipe.profile()
     optimistic = replace(profile.acceptance, alpha=0.99, reuse=0.99, reuse_noexit=0.99, source="test")
-    proposer = AutoProposer(lambda s: pipe._proposer(pipe.concrete(config, s)), pipe._profile_costs(), optimistic)
+    costs = pipe.planner.costs(pipe.thread_key)
+    proposer = AutoProposer(lambda s: pipe._proposer(concrete(config, s)), costs, optimistic)
     assert proposer.strategy.mode != "ar", (proposer.costs, proposer.first_table.to_dict())
     settings = DecodeSettings(80, pipe.manifest.tokenizer.eos_token_ids, pipe.context_limit,
                               proposer.costs.max_gamma, sampler=GREEDY)
@@ -218,20 +220,26 @@ def test_choose_split_by_hand():
     assert choose_split(profile, None, (2, 2, False)).source == "default"
 
 
-def test_auto_loads_the_thread_split_its_cached_profile_predicts_fastest(same_draft, tmp_path):
+def test_auto_loads_the_thread_split_its_cached_profile_predicts_fastest(same_draft, tmp_path, monkeypatch):
     from mirrorsd.devices.placement import DeviceRequest
-    from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime import Pipeline, pipeline
+
+    opened = []  # the thread split of every set of sessions a load opens (the real sessions, counted)
+    real_open = pipeline.open_sessions
+    monkeypatch.setattr(pipeline, "open_sessions", lambda *args: opened.append(args[3]) or real_open(*args))
 
     n = cores()
     plan = DeviceRequest(plan_from_profile=True)
     with Pipeline.load(same_draft, plan) as pipe:  # no profile cached yet: today's default
-        assert pipe.threads == (n, n) and pipe.thread_choice.source == "default"
-        assert "no cached profile" in pipe.thread_choice.why
+        assert pipe.threads == (n, n) and pipe.planner.thread_choice.source == "default"
+        assert "no cached profile" in pipe.planner.thread_choice.why
     cache_profile(same_draft, [split_costs(n, n, 0.009, 0.004, 2.0), split_costs(1, 1, 0.010, 0.001)], alpha=0.9)
     with Pipeline.load(same_draft, DeviceRequest(target_threads=n, draft_threads=n, plan_from_profile=True)) as pipe:
-        assert pipe.threads == (n, n) and pipe.thread_choice.source == "given"  # explicit threads win
+        assert pipe.threads == (n, n) and pipe.planner.thread_choice.source == "given"  # explicit threads win
+    opened.clear()
     with Pipeline.load(same_draft, plan) as pipe:
-        assert pipe.threads == (1, 1), pipe.thread_choice
+        assert pipe.threads == (1, 1), pipe.planner.thread_choice
+        assert opened == [(1, 1)]  # chosen before any session opened: nothing opened with n + n and closed again
         assert {s.backend.session.get_session_options().intra_op_num_threads for s in pipe.sessions.values()} == {1}
         ar = generate(pipe, "ar")
         auto = generate(pipe, "auto")
@@ -242,7 +250,7 @@ def test_auto_loads_the_thread_split_its_cached_profile_predicts_fastest(same_dr
         assert auto.stats.to_dict()["auto"]["threads"]["chosen"] == "1+1"  # --json prints it
     cache_profile(same_draft, [split_costs(n, n, 0.009, 0.004, 2.0), split_costs(1, 1, 0.010, 0.001)], alpha=0.0)
     with Pipeline.load(same_draft, plan) as pipe:  # a useless draft: ar, on every core
-        assert pipe.threads == (n, n) and pipe.thread_choice.source == "profile"
+        assert pipe.threads == (n, n) and pipe.planner.thread_choice.source == "profile"
 
 
 # ---- leaving ar (runtime/planner/ar_probe.py) -------------------------------------------------------------------
@@ -251,7 +259,7 @@ def run_auto(pipe, prior, tokens: int):
     from mirrorsd.runtime.planner.ar_probe import ArProbe
 
     config = GenerationConfig(max_new_tokens=tokens, chat=False)
-    proposer = AutoProposer(lambda s: pipe._proposer(pipe.concrete(config, s)), pipe._profile_costs(), prior,
+    proposer = AutoProposer(lambda s: pipe._proposer(concrete(config, s)), pipe.planner.costs(pipe.thread_key), prior,
                             context=0, new_tokens=tokens, probe=ArProbe(pipe.draft))
     settings = DecodeSettings(tokens, pipe.manifest.tokenizer.eos_token_ids, pipe.context_limit,
                               proposer.costs.max_gamma, sampler=GREEDY)
@@ -339,7 +347,7 @@ def test_no_probe_when_speculation_cannot_pay(same_draft, single_thread):
 
     pipe = single_thread(same_draft)
     measured = with_costs(pipe)
-    costs = replace(pipe._profile_costs(), draft1_s=0.050, branch_fwd_s=0.060)
+    costs = replace(pipe.planner.costs(pipe.thread_key), draft1_s=0.050, branch_fwd_s=0.060)
     pipe.use_profile(replace(pipe.profile(), splits=(costs,), detail=({},)))
     proposer, outcome, reference, _ = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 48)
     assert outcome.tokens == reference

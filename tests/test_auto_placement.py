@@ -1,5 +1,5 @@
 """Mode auto's placement: hand-computed choices between cached profiles of two placements, and a real load that
-reopens the draft on OpenVINO's CPU plugin (the stand-in for an NPU here) when its profile predicts that faster.
+opens the draft on OpenVINO's CPU plugin (the stand-in for an NPU here) when its profile predicts that faster.
 
 Not exercised here: a GPU target or an NPU draft (this machine has neither); the choice is the same code for them,
 fed by their profiles."""

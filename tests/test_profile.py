@@ -118,7 +118,7 @@ def test_an_acceptance_calibrated_on_other_prompts_is_measured_again(exported):
         data["calibration"]["prompts"] = 2
         data["acceptance"]["alpha"] = 0.123
         path.write_text(json.dumps(data))
-        pipe._profile = None  # forget the loaded one: read the cache as a new process would
+        pipe.planner.loaded = None  # forget the loaded one: read the cache as a new process would
         again = pipe.profile()
     assert again.calibration["prompts"] == len(CALIBRATION_PROMPTS)
     assert again.acceptance.alpha != 0.123 and again.acceptance.source == "calibration"
@@ -170,7 +170,7 @@ def test_profile_times_the_sparse_exit_head_when_the_folder_has_one(exported, tm
                 return run(feeds)
 
             session.run = counted
-        costs, detail = measure_split(pipe, max_gamma=2, repeats=2)
+        costs, detail = measure_split(pipe.planner_view(), max_gamma=2, repeats=2)
         assert sparse_runs is pipe.target_timeline
     assert detail["exit_head"] == "sparse" and "sparse exit head" in costs.label
     assert len(detail["exit_full_s"]) == len(costs.exit_s) == 3
@@ -186,7 +186,7 @@ def test_profile_without_a_sparse_head_times_the_full_one(exported):
     from mirrorsd.runtime.planner.profiling import measure_split
 
     with Pipeline.load(exported("llama", draft_layers=4), DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
-        costs, detail = measure_split(pipe, max_gamma=2, repeats=1)
+        costs, detail = measure_split(pipe.planner_view(), max_gamma=2, repeats=1)
     assert detail["exit_head"] == "full" and "exit_full_s" not in detail and "full exit head" in costs.label
 
 

@@ -85,13 +85,14 @@ def cache_profile(shared_ms, own_ms):  # ar's step on each kind of pool (the cos
 
 cache_profile(shared_ms=100.0, own_ms=50.0)
 with Pipeline.load(folder, DeviceRequest(plan_from_profile=True)) as auto:
-    assert not auto.shared_pool and auto.thread_choice.split == f"{threads}+{threads}", auto.thread_choice
+    chosen = auto.planner.thread_choice
+    assert not auto.shared_pool and chosen.split == f"{threads}+{threads}", chosen
 cache_profile(shared_ms=50.0, own_ms=100.0)
 with Pipeline.load(folder, DeviceRequest(plan_from_profile=True, shared_pool=False)) as auto:
-    assert not auto.shared_pool, auto.thread_choice  # --no-shared-pool: auto stays off it
+    assert not auto.shared_pool, auto.planner.thread_choice  # --no-shared-pool: auto stays off it
 with Pipeline.load(folder, DeviceRequest(plan_from_profile=True)) as auto:
-    assert auto.shared_pool and all(pooled(auto)), auto.thread_choice  # the process's first pool: auto's size
-    assert auto.thread_choice.split == f"{threads} shared", auto.thread_choice
+    assert auto.shared_pool and all(pooled(auto)), auto.planner.thread_choice  # the process's first pool: auto's size
+    assert auto.planner.thread_choice.split == f"{threads} shared", auto.planner.thread_choice
     assert auto.generate(prompt, config("auto")).tokens == reference
 assert plain.generate(prompt, config("mirror")).tokens == reference  # opened before the pool: still runs
 plain.close()

@@ -177,17 +177,19 @@ def _auto_pipeline(options: BenchOptions, modes: list[str], devices, pipe):
     from dataclasses import replace
 
     from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime.planner import loading
 
     if "auto" not in modes:
         yield pipe
         return
-    request, choice = pipe.planned_request(replace(devices, plan_from_profile=True))
+    request, choice = loading.planned_request(pipe.folder, pipe.manifest, replace(devices, plan_from_profile=True),
+                                              pipe.here())
     if request is None:
-        pipe.thread_choice, pipe.placement_choice = choice.threads, choice
+        pipe.planner.thread_choice, pipe.planner.placement_choice = choice.threads, choice
         yield pipe
         return
     with Pipeline.load(options.model, replace(request, plan_from_profile=False)) as own:
-        own.thread_choice, own.placement_choice = choice.threads, choice
+        own.planner.thread_choice, own.planner.placement_choice = choice.threads, choice
         yield own
 
 

@@ -118,6 +118,7 @@ def devices_table(args, measure: bool) -> int:
     from mirrorsd.devices.placement import DeviceRequest, placement_candidates
     from mirrorsd.manifest import load_manifest
     from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime.planner import loading
 
     request = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
                             kernels=args.kernels)
@@ -128,9 +129,11 @@ def devices_table(args, measure: bool) -> int:
         if ("cpu", "cpu") in pairs:
             _measure_shared_pool(args)
     with Pipeline.load(args.model, request) as pipe:
-        found = pipe.placement_profiles(request)
-        _, choice = pipe.planned_request(replace(request, plan_from_profile=True), found)
-        tables = _cached_tables(found, pipe.device_pair)
+        here = pipe.here()
+        found = loading.placement_profiles(pipe.folder, pipe.manifest, request, here)
+        _, choice = loading.planned_request(pipe.folder, pipe.manifest, replace(request, plan_from_profile=True),
+                                            here, found)
+        tables = _cached_tables(found, here.pair)
     if not any(found.values()):
         print(f"\nNo profile of this export on this machine yet: run `mirrorsd devices --profile --model "
               f"{args.model}` (it measures each graph on each placement, about a minute each).")
@@ -145,14 +148,13 @@ def _measure_placement(args, request) -> None:
     is reported and skipped (the others are still measured)."""
     from mirrorsd.errors import MirrorSDError
     from mirrorsd.runtime import Pipeline
-    from mirrorsd.runtime.planner.profiling import profile_for
 
     print(f"\nPlacement target {request.target}, draft {request.draft}:")
     for t, d in splits_to_profile(args.threads):
         try:
             with Pipeline.load(args.model, replace(request, target_threads=t, draft_threads=d,
                                                    shared_pool=False)) as pipe:
-                profile_for(pipe, progress=True)
+                pipe.profile(progress=True)
         except MirrorSDError as exc:
             print(f"  not measured: {exc.what} ({exc.why})")
             return
@@ -185,18 +187,17 @@ def profile_on_shared_pool(model: str, threads: int, kernels: str, static_draft:
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.errors import MirrorSDError
     from mirrorsd.runtime import Pipeline
-    from mirrorsd.runtime.planner.profiling import profile_for
 
     request = DeviceRequest("cpu", "cpu", threads, threads, static_draft, kernels=kernels, shared_pool=True)
     try:
         with Pipeline.load(model, request) as pipe:
-            profile_for(pipe, progress=True)
+            pipe.profile(progress=True)
     except MirrorSDError as exc:
         print(f"  not measured: {exc.what} ({exc.why})")
 
 
 def _cached_tables(found: dict, chain_pick: tuple[str, str]) -> list[str]:
-    """The predicted table of every placement with a cached profile (``found``: Pipeline.placement_profiles),
+    """The predicted table of every placement with a cached profile (``found``: loading.placement_profiles),
     ranked with the acceptance choose_placement ranks them with."""
     from mirrorsd.runtime.planner.placement import pair_name, ranking_acceptance
 

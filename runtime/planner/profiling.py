@@ -1,5 +1,8 @@
 """Measure a loaded pipeline at the shapes the runtime uses: the costs of its thread split, and the pair's acceptance.
 
+Every function reads the pipeline through a PipelineView (view.py): its models, timelines, placement and threads,
+and the generate call the calibration runs.
+
     target     prefix, exit head and suffix at window widths 1 .. gamma_max + 1 (the decode loop's verification,
                with the host's argmax), on a cache holding the calibration prompt. The exit head timed is the one
                Mirror-SD runs: the sparse head (exit_sparse.onnx, scoring the draft's runner_up_k candidates per
@@ -26,6 +29,7 @@ import numpy as np
 from mirrorsd.runtime.planner import profile as profiles
 from mirrorsd.runtime.config import GenerationConfig
 from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts, alpha_from_mean_accepted, split_name
+from mirrorsd.runtime.planner.view import PipelineView
 from mirrorsd.runtime.rollout import branches, fresh
 from mirrorsd.runtime.sampling import GREEDY
 from mirrorsd.runtime.verify import Branch, greedy_tokens
@@ -61,44 +65,44 @@ class _ExitSink:
         pass
 
 
-def exit_sink(pipe, prompt: list[int], rows: int, full: bool = False) -> _ExitSink:
+def exit_sink(view: PipelineView, prompt: list[int], rows: int, full: bool = False) -> _ExitSink:
     """The callback that times the exit head Mirror-SD runs on a verification of ``rows`` rows (the full head when
     ``full`` or when the folder has no sparse one)."""
-    if full or pipe.target.exit_sparse is None:
+    if full or view.target.exit_sparse is None:
         return _ExitSink()
     k = GenerationConfig.runner_up_k
     ids = np.resize(np.asarray(prompt, np.int64), (max(rows - 1, 1), k))  # the window's candidates: any valid ids
     return _ExitSink(ids)
 
 
-def exit_kind(pipe) -> str:
-    return "sparse" if pipe.target.exit_sparse is not None else "full"
+def exit_kind(view: PipelineView) -> str:
+    return "sparse" if view.target.exit_sparse is not None else "full"
 
 
-def calibration_ids(pipe, text: str = CALIBRATION_PROMPTS[0]) -> list[int]:
-    chat = bool(pipe.manifest.tokenizer.chat_template)
-    return pipe.encode(text, GenerationConfig(chat=chat))
+def calibration_ids(view: PipelineView, text: str = CALIBRATION_PROMPTS[0]) -> list[int]:
+    chat = bool(view.manifest.tokenizer.chat_template)
+    return view.encode(text, GenerationConfig(chat=chat))
 
 
-def measure_split(pipe, max_gamma: int = MAX_GAMMA, repeats: int = REPEATS, tick=lambda: None
+def measure_split(view: PipelineView, max_gamma: int = MAX_GAMMA, repeats: int = REPEATS, tick=lambda: None
                   ) -> tuple[SplitCosts, dict]:
-    """The costs of ``pipe``'s own placement and thread split; and the per-graph detail behind them."""
-    prompt = calibration_ids(pipe)
+    """The costs of ``view``'s own placement and thread split; and the per-graph detail behind them."""
+    prompt = calibration_ids(view)
     branch_batch = GenerationConfig.branch_batch
-    target = _target_costs(pipe, prompt, max_gamma, repeats, tick)
-    draft1, branch_fwd, stream, prefill = _draft_costs(pipe, prompt, max_gamma, branch_batch, repeats, tick)
-    c_target, c_draft = _contention(pipe, prompt, max_gamma, branch_batch, repeats, target, branch_fwd)
+    target = _target_costs(view, prompt, max_gamma, repeats, tick)
+    draft1, branch_fwd, stream, prefill = _draft_costs(view, prompt, max_gamma, branch_batch, repeats, tick)
+    c_target, c_draft = _contention(view, prompt, max_gamma, branch_batch, repeats, target, branch_fwd)
     tick()
-    t_threads, d_threads = pipe.threads
+    t_threads, d_threads = view.threads
     costs = SplitCosts(target_threads=t_threads, draft_threads=d_threads, verify_s=target["verify_s"],
                        exit_s=target["exit_s"], draft1_s=draft1, branch_fwd_s=branch_fwd, branch_batch=branch_batch,
                        c_target=c_target, c_draft=c_draft, stream_window_s=stream, draft_prefill_s=prefill,
-                       prefix_s=tuple(target["prefix_parts"]), shared_pool=pipe.shared_pool,
-                       label=f"target {pipe.placements['prefix'].describe()} x{t_threads}, "
-                             f"draft {pipe.placements['draft'].describe()} x{d_threads}, {exit_kind(pipe)} exit head")
+                       prefix_s=tuple(target["prefix_parts"]), shared_pool=view.shared_pool,
+                       label=f"target {view.placement['prefix']} x{t_threads}, "
+                             f"draft {view.placement['draft']} x{d_threads}, {exit_kind(view)} exit head")
     detail = {k: [round(x, 6) for x in v] for k, v in target.items() if k.endswith("_parts") or k == "exit_full_s"}
-    detail.update({"prompt_tokens": len(prompt), "repeats": repeats, "exit_head": exit_kind(pipe),
-                   "exit_layer": pipe.manifest.exit_layer, "layers": pipe.manifest.target.num_layers})
+    detail.update({"prompt_tokens": len(prompt), "repeats": repeats, "exit_head": exit_kind(view),
+                   "exit_layer": view.manifest.exit_layer, "layers": view.manifest.target.num_layers})
     return costs, detail
 
 
@@ -106,10 +110,10 @@ def _median(values) -> float:
     return float(statistics.median(values))
 
 
-def _target_costs(pipe, prompt: list[int], max_gamma: int, repeats: int, tick) -> dict:
+def _target_costs(view: PipelineView, prompt: list[int], max_gamma: int, repeats: int, tick) -> dict:
     """Every width in each round (rounds interleave the widths, so drift in machine speed hits them alike), on a
     cache of TARGET_CONTEXT tokens (a prompt plus part of its answer)."""
-    target, timeline = pipe.target, pipe.target_timeline
+    target, timeline = view.target, view.target_timeline
     context = (prompt * (TARGET_CONTEXT // len(prompt) + 1))[:max(TARGET_CONTEXT, len(prompt))]
     target.reset(1, len(context) + max_gamma + 8)
     target.extend(context)
@@ -117,11 +121,11 @@ def _target_costs(pipe, prompt: list[int], max_gamma: int, repeats: int, tick) -
     window = (prompt * (max_gamma + 2))[: max_gamma + 1]
     widths = range(1, max_gamma + 2)
     runs = {w: {"wall": [], "exit": [], "full": [], "prefix": [], "suffix": []} for w in widths}
-    variants = ("none", "exit", "full") if pipe.target.exit_sparse is not None else ("none", "exit")
+    variants = ("none", "exit", "full") if view.target.exit_sparse is not None else ("none", "exit")
     for r in range(repeats + 1):
         for w in widths:
             for variant in variants:
-                sink = None if variant == "none" else exit_sink(pipe, window, w, full=variant == "full")
+                sink = None if variant == "none" else exit_sink(view, window, w, full=variant == "full")
                 timeline.clear()
                 start = time.perf_counter()
                 logits = target.extend(window[:w], sink)
@@ -150,10 +154,10 @@ def _target_costs(pipe, prompt: list[int], max_gamma: int, repeats: int, tick) -
     return out
 
 
-def _branch_setup(pipe, prompt: list[int], gamma: int, batch_rows: int):
+def _branch_setup(view: PipelineView, prompt: list[int], gamma: int, batch_rows: int):
     """A drafted window with the main cache holding prompt + window (as Mirror-SD's worker has it), and a batch of
     branches at depths 1 .. batch_rows with the draft's runner-up tokens."""
-    draft, k = pipe.draft, GenerationConfig.runner_up_k
+    draft, k = view.draft, GenerationConfig.runner_up_k
     draft.reset(capacity=len(prompt) + 4 * gamma + 16)
     window = fresh(draft, prompt, gamma, GREEDY, k)
     draft.extend([int(window.tokens[-1])])
@@ -161,8 +165,8 @@ def _branch_setup(pipe, prompt: list[int], gamma: int, batch_rows: int):
     return window, batch
 
 
-def _draft_costs(pipe, prompt: list[int], gamma: int, batch_rows: int, repeats: int, tick):
-    draft = pipe.draft
+def _draft_costs(view: PipelineView, prompt: list[int], gamma: int, batch_rows: int, repeats: int, tick):
+    draft = view.draft
     prefills = []
     for r in range(2):  # the draft's prefill of the whole prompt (sd pays it in its first step); warm-up first
         draft.reset(capacity=len(prompt) + 4 * gamma + 16)
@@ -178,7 +182,7 @@ def _draft_costs(pipe, prompt: list[int], gamma: int, batch_rows: int, repeats: 
         runs.append((time.perf_counter() - start) / gamma)
     draft1 = _median(runs)
     tick()
-    window, batch = _branch_setup(pipe, prompt, gamma, batch_rows)
+    window, batch = _branch_setup(view, prompt, gamma, batch_rows)
     runs = []
     for r in range(repeats + 1):
         start = time.perf_counter()
@@ -188,7 +192,7 @@ def _draft_costs(pipe, prompt: list[int], gamma: int, batch_rows: int, repeats: 
     branch_fwd = _median(runs)
     tick()
     stream = ()
-    streaming = pipe.streaming_draft
+    streaming = view.streaming_draft
     if streaming is not None:
         streaming.reset(capacity=len(prompt) + 4 * gamma + 16)
         fresh(streaming, prompt, gamma, lookahead=True)
@@ -204,12 +208,12 @@ def _draft_costs(pipe, prompt: list[int], gamma: int, batch_rows: int, repeats: 
     return draft1, branch_fwd, stream, prefill
 
 
-def _contention(pipe, prompt: list[int], gamma: int, batch_rows: int, repeats: int, target: dict,
+def _contention(view: PipelineView, prompt: list[int], gamma: int, batch_rows: int, repeats: int, target: dict,
                 branch_fwd: float) -> tuple[float, float]:
     """Slowdown of the target's verification (gamma + 1 rows, exit head) while the draft rolls out branches on
     another thread, and of the draft's branch forward meanwhile; 1.0 when they do not slow each other."""
-    window, batch = _branch_setup(pipe, prompt, gamma, batch_rows)
-    model = pipe.target
+    window, batch = _branch_setup(view, prompt, gamma, batch_rows)
+    model = view.target
     model.reset(1, len(prompt) + gamma + 8)
     model.extend(prompt)
     base = model.length
@@ -220,7 +224,7 @@ def _contention(pipe, prompt: list[int], gamma: int, batch_rows: int, repeats: i
         try:
             while not stop.is_set():
                 start = time.perf_counter()
-                branches(pipe.draft, prompt, window.tokens, batch, GREEDY, GenerationConfig.runner_up_k, False)
+                branches(view.draft, prompt, window.tokens, batch, GREEDY, GenerationConfig.runner_up_k, False)
                 draft_runs.append((time.perf_counter() - start) / gamma)
         except BaseException as exc:  # noqa: BLE001 - reported on the main thread
             failures.append(exc)
@@ -231,7 +235,7 @@ def _contention(pipe, prompt: list[int], gamma: int, batch_rows: int, repeats: i
     try:
         for r in range(2 * repeats + 1):
             start = time.perf_counter()
-            greedy_tokens(model.extend(tokens, exit_sink(pipe, tokens, len(tokens))))
+            greedy_tokens(model.extend(tokens, exit_sink(view, tokens, len(tokens))))
             if r:
                 walls.append(time.perf_counter() - start)
             model.truncate(base)
@@ -243,12 +247,12 @@ def _contention(pipe, prompt: list[int], gamma: int, batch_rows: int, repeats: i
     alone = target["verify_s"][gamma] + target["exit_s"][gamma]
     c_target = max(1.0, _median(walls) / alone)
     c_draft = max(1.0, _median(draft_runs[1:] or draft_runs) / branch_fwd) if draft_runs else 1.0
-    pipe.target_timeline.clear()
-    pipe.draft_timeline.clear()
+    view.target_timeline.clear()
+    view.draft_timeline.clear()
     return c_target, c_draft
 
 
-def calibrate(pipe, gamma: int = GenerationConfig.gamma, tokens: int = CALIBRATION_TOKENS,
+def calibrate(view: PipelineView, gamma: int = GenerationConfig.gamma, tokens: int = CALIBRATION_TOKENS,
               tick=lambda: None) -> tuple[Acceptance, dict]:
     """Acceptance of the pair from short Mirror-SD runs (with and without the exit head) on the calibration
     prompts: alpha from the mean accepted tokens, and the reuse rates."""
@@ -256,8 +260,8 @@ def calibrate(pipe, gamma: int = GenerationConfig.gamma, tokens: int = CALIBRATI
     for exit_head in (True, False):
         for text in CALIBRATION_PROMPTS:
             config = GenerationConfig(mode="mirror", gamma=gamma, max_new_tokens=tokens, exit_head=exit_head,
-                                      chat=bool(pipe.manifest.tokenizer.chat_template), do_sample=False)
-            stats[exit_head].append(pipe.generate(text, config).stats)
+                                      chat=bool(view.manifest.tokenizer.chat_template), do_sample=False)
+            stats[exit_head].append(view.generate(text, config).stats)
             tick()
     steps = sum(s.steps for s in stats[True])
     accepted = sum(s.accepted for s in stats[True])
@@ -288,14 +292,14 @@ def fit_mirror_host(costs: SplitCosts, acceptance: Acceptance, how: dict) -> Spl
     return replace(costs, mirror_host_s=extra)
 
 
-def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles.Profile:
-    """The profile of ``pipe``'s export and device set, from the cache; what the cache lacks (this thread split,
+def profile_for(view: PipelineView, progress: bool = False, refresh: bool = False) -> profiles.Profile:
+    """The profile of ``view``'s export and device set, from the cache; what the cache lacks (this thread split,
     the acceptance) is measured now and cached."""
     from tqdm import tqdm
 
-    placement = {role: p.describe() for role, p in pipe.placements.items()}
-    devices = pipe.device_strings()  # what reopens this placement (mode auto ranks placements by it)
-    path = profiles.cache_path(pipe.folder, placement)
+    placement = dict(view.placement)
+    devices = dict(view.devices)  # what reopens this placement (mode auto ranks placements by it)
+    path = profiles.cache_path(view.folder, placement)
     current = None
     if path.is_file() and not refresh:
         try:
@@ -304,9 +308,9 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
             current = None  # an older schema or a damaged file: measured again below
     if current is None:
         current = profiles.Profile(kind="measured", machine=machine_words(), splits=(),
-                                   export={"folder": str(pipe.folder), "placement": placement, "devices": devices},
+                                   export={"folder": str(view.folder), "placement": placement, "devices": devices},
                                    created=profiles.now())
-    need_split = current.split(*pipe.thread_key) is None
+    need_split = current.split(*view.thread_key) is None
     # an acceptance calibrated on another prompt set (an older mirrorsd) is measured again
     need_acceptance = (current.acceptance is None
                        or current.calibration.get("prompts") != len(CALIBRATION_PROMPTS))
@@ -315,15 +319,15 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
     current = profiles.Profile(**{**current.__dict__, "export": {**current.export, "devices": devices}})
     steps = (REPEATS + 5 if need_split else 0) + (2 * len(CALIBRATION_PROMPTS) if need_acceptance else 0)
     bar = tqdm(total=steps, disable=not progress,
-               desc=f"profiling {split_name(*pipe.thread_key)} threads", unit="step")
+               desc=f"profiling {split_name(*view.thread_key)} threads", unit="step")
     try:
         if need_split:
-            costs, detail = measure_split(pipe, tick=lambda: bar.update(1))
+            costs, detail = measure_split(view, tick=lambda: bar.update(1))
             current = current.with_split(costs, detail)
         if need_acceptance:
-            acceptance, how = calibrate(pipe, tick=lambda: bar.update(1))
+            acceptance, how = calibrate(view, tick=lambda: bar.update(1))
             current = profiles.Profile(**{**current.__dict__, "acceptance": acceptance, "calibration": how})
-            costs = current.split(*pipe.thread_key)  # the calibrated split: fit Mirror-SD's host time on it
+            costs = current.split(*view.thread_key)  # the calibrated split: fit Mirror-SD's host time on it
             index = current.splits.index(costs)
             current = current.with_split(fit_mirror_host(costs, acceptance, how), current.detail[index])
     finally:
