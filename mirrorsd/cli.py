@@ -98,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "mirror-nostream. The same decoders in C++ (libmirrorsd, runtime/native): c-ar, c-sd, "
                             "c-mirror, c-mirror-noexit. Peers (bash scripts/setup.sh --peers): hf-ar, "
                             "hf-assisted (transformers assisted generation), ov-ar, ov-sd (OpenVINO GenAI "
-                            "speculative decoding), on the export's source models")
+                            "speculative decoding at f32 with the export's weight precisions), ov-user-ar, "
+                            "ov-user-sd, ov-user-sd-conf (OpenVINO GenAI as a user runs it: optimum-cli's int4 "
+                            "defaults, the CPU's default inference precision, a window of --gamma or a confidence "
+                            "threshold), on the export's source models; llama-ar, llama-sd (--model-draft), "
+                            "llama-ngram (n-gram lookup): llama.cpp's server on the GGUF files they came from")
     flags.add(bench, B, "questions", type=Path,
               help="SpecBench question.jsonl (default: shared/data/spec_bench, or $MIRRORSD_SPEC_BENCH)")
     bench.add_argument("--categories", default=",".join(B.categories),
@@ -117,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
               help="HF folder of the target for peer modes (default: the export's source)")
     flags.add(bench, B, "peer_draft", type=Path, help="HF folder of the draft for peer modes (default: the export's "
                                                       "source)")
+    flags.add(bench, B, "peer_target_gguf", type=Path, help="GGUF of the target for the llama-* modes (default: the "
+                                                             "one mirrorsd fetch converted the target folder from)")
+    flags.add(bench, B, "peer_draft_gguf", type=Path, help="GGUF of the draft for llama-sd (default: the one mirrorsd "
+                                                           "fetch converted the draft folder from)")
     flags.add(bench, B, "native_library", "--native-lib", type=Path,
               help="libmirrorsd.so for the c-* modes (default: built with CMake into the mirrorsd cache)")
     flags.add(bench, B, "kernels", choices=KERNEL_CHOICES, help="as for generate")
