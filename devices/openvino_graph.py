@@ -10,7 +10,7 @@ make_stateful       past_key_values.* / present.* pairs -> state variables; with
 row_invariant_softmax
                     Softmax -> max, exp, a MatMul with ones for the sum, divide (for graphs that keep explicit KV)
 
-Batch invariance (ALGORITHM.md, "Losslessness"): a verification window of S rows attends to T = P + S key slots where
+Batch invariance (docs/algorithm.md, "Batch invariance"): a verification window of S rows attends to T = P + S key slots where
 one-row decoding attends to P + 1; the extra slots are masked and sit after the row's own. The plugin's Softmax sums
 a row in an order that depends on T (measured, OpenVINO 2026.4, AMD EPYC avx512: T 61 -> 65 changes a row by
 1.2e-7), and int8 dynamic quantization of the next MatMul's input amplifies that to 0.29 in the logits. Its MatMul

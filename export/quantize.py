@@ -37,7 +37,7 @@ from mirrorsd.names import PRECISIONS
 
 QUANTIZED = ("int8", "int4")  # what quantize_model does; fp16 graphs are traced in fp16 (templates.py)
 BITS = {"int8": 8, "int4": 4}
-BLOCK = 32  # quantization block along K: ENVIRONMENT.md measured int4 block 32 as accurate and fast here
+BLOCK = 32  # quantization block along K: accurate and fast for these models (docs/platform-notes.md, ONNX Runtime)
 PROTOBUF_LIMIT = 2 * 1024**3 - 64 * 1024**2
 
 

@@ -1,4 +1,4 @@
-"""Does a row's target output depend on the rows verified beside it? (ALGORITHM.md, Losslessness (a))
+"""Does a row's target output depend on the rows verified beside it? (docs/algorithm.md, Batch invariance)
 
     python scripts/window_invariance.py EXPORT_DIR [--window 5] [--steps 20] [--target-device openvino:CPU]
 

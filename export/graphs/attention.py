@@ -6,7 +6,7 @@
     weights = softmax(scores * scale + mask)          mask [B, 1, S, T] additive, broadcast over the G heads
     output  = weights @ value    [B, KVH, G*S, D] -> [B, S, H, D]
 
-Why not transformers' eager attention: batch invariance (ALGORITHM.md, Losslessness). A verification window runs
+Why not transformers' eager attention: batch invariance (docs/algorithm.md, Batch invariance). A verification window runs
 gamma + 1 query rows where target-only decoding runs one. Eager attention then multiplies [H, 1, D] x [H, D, T]
 in one-row decoding, and ONNX Runtime's MLAS takes its one-row (GEMV) kernel for M = 1 and its GEMM kernel for
 M > 1, which sum in different orders: a row's logits then depend on the window around it (measured: 1e-5 to 1e-4
