@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "hf-assisted (transformers assisted generation), ov-ar, ov-sd (OpenVINO GenAI "
                             "speculative decoding), on the export's source models")
     flags.add(bench, B, "questions", type=Path,
-              help="SpecBench question.jsonl (default: shared/data/spec_bench, or $MIRRORSD_SPEC_BENCH)")
+              help="a SpecBench-shaped question.jsonl (default: $MIRRORSD_SPEC_BENCH, else the copy "
+                   "shipped with mirrorsd)")
     bench.add_argument("--categories", default=",".join(B.categories),
                        help=f"comma-separated SpecBench categories; none: {', '.join(specbench.DEFAULT_CATEGORIES)}")
     flags.add(bench, B, "per_category",
