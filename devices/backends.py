@@ -35,7 +35,7 @@ KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
 @dataclass(frozen=True)
 class OpenVINOTuning:
     """How the OpenVINO runtime computes one graph, beyond device, threads and precision (devices/openvino_graph.py;
-    scripts/openvino_target.py measures each choice).
+    scripts/lab/openvino_target.py measures each choice).
 
     attention     "fused": one ScaledDotProductAttention op per attention (the plugin's attention kernel);
                   "exact-softmax": the exported ops with a row-invariant softmax; "as-exported": untouched
@@ -62,7 +62,7 @@ class OpenVINOTuning:
 
     def inexact(self) -> str:
         """Why a target computed this way would not verify a window as it decodes one row ("" when it would).
-        Measured on Qwen2.5-Coder-1.5B int4 (scripts/openvino_target.py); each reason is one of those results."""
+        Measured on Qwen2.5-Coder-1.5B int4 (scripts/lab/openvino_target.py); each reason is one of those results."""
         if self.attention == "as-exported":
             return "the plugin's Softmax sums a row in an order that depends on the window (0.29 logits with int8 " \
                    "activations)"

@@ -15,7 +15,7 @@ MatMulNBits at level 4 computes each row bitwise the same whatever the number of
 turned those rounding differences into whole quantization steps: 0.28 logits on the Qwen target, and sd/mirror
 differed from ar on 2 of 12 prompts (docs/bench/rejected-int8-activation-target). Grouped attention
 (export/graphs/attention.py) keeps every row bitwise invariant, so its targets take the fast path exactly
-(scripts/window_invariance.py, tests/test_batch_invariance.py). A draft's numerics never change the output.
+(scripts/lab/window_invariance.py, tests/test_batch_invariance.py). A draft's numerics never change the output.
 
 Not ``quantize_dynamic``: it scales activations per *tensor*, so a row's result depends on the other rows of the
 batch; a verification window (gamma + 1 rows) would then not reproduce single-row decoding and SD would stop being
