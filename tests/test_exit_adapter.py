@@ -243,7 +243,7 @@ def test_exit_sweep_command_writes_what_export_reads(tmp_path, tiny_model, capsy
     """mirrorsd-exit-sweep on a tiny model: the table, and a --json that mirrorsd-export --exit-hits accepts."""
     from mirrorsd.export.early_exit import sweep
     from mirrorsd.export.streaming.data import Sample, save_samples
-    from mirrorsd.runtime.exit_layer import read_hits
+    from mirrorsd.runtime.planner.exit_layer import read_hits
     from tiny_models import VOCAB
 
     rng = np.random.default_rng(0)

@@ -10,7 +10,7 @@
     trained   the adapter of mirrorsd-train-exit (export/early_exit/adapter.py), fitted on the training rows
     scores    top-1 / top-4 hit rates of both on the held-out rows; prefix share L / N (decoder layers are uniform)
     suggest   with --profile (a measured profile of an export of this target, ``mirrorsd devices --profile``): the
-              latency model's Mirror-SD table over the swept layers (runtime/exit_layer.py), best first
+              latency model's Mirror-SD table over the swept layers (runtime/planner/exit_layer.py), best first
 
 ``--json`` is what ``mirrorsd-export --exit-hits`` and ``mirrorsd plan --exit-hits`` read: the layer count, the row
 counts, and per layer the hit rates and losses of both exits. Needs torch and the target in fp32.
@@ -85,8 +85,8 @@ def suggestion(profile_file: Path | None, exit_layer: int | None, hits: dict[int
     """The latency model's table and best layer for the first thread split of ``profile_file`` with prefix times."""
     if profile_file is None:
         return "suggested exit layer: pass --profile (a measured profile of the export) for the latency model's choice"
-    from mirrorsd import profile as profiles
-    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table
+    from mirrorsd.runtime.planner import profile as profiles
+    from mirrorsd.runtime.planner.exit_layer import exit_layer_table, format_exit_table
 
     profile = profiles.load(profile_file)
     for costs, detail in zip(profile.splits, profile.detail or ({},) * len(profile.splits)):
