@@ -52,7 +52,7 @@ class Run:
 @dataclass(frozen=True)
 class Case:
     id: str
-    issue: str  # where the case comes from, e.g. "19.1" (issue 19, item 1)
+    issue: str  # the case's reference in the docs/reliability.md table (its "issue" column), e.g. "19.1"
     what: str  # the case in a few words, for the table
     setup: Callable[["Workspace"], Run]
     exit: str = "error"  # "error": a non-zero exit with one what/why/fix line | "ok": exit 0 | "terminated"
