@@ -24,8 +24,8 @@ Run an export folder written by mirrorsd-export.
 
 
 SHARED_POOL_HELP = ("run every ONNX Runtime CPU session on one thread pool for the process whose threads spin "
-                    "between calls (devices/thread_pool.py): ar +14 %%, sd +6 %% on the int4 Qwen pair here; no per-"
-                    "session thread split, one thread count per process. Default: off, except that mode auto takes "
+                    "between calls (devices/thread_pool.py), so that the graphs of a step do not wake sleeping "
+                    "threads; no per-session thread split, one thread count per process. Default: off, except that mode auto takes "
                     "it where its cached profile predicts it faster (`mirrorsd devices --profile` measures it); "
                     "--no-shared-pool keeps auto off it too")
 KERNELS_HELP = ("MatMulNBits kernel of ONNX Runtime CPU sessions: mirrorsd (runtime/kernels, the faster), ort (ONNX "
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(gen, G, "runner_up_k", help="mirror: draft candidates kept per position")
     flags.add(gen, G, "exit_head", "--no-exit-head",
               help="mirror: skip the early-exit head (saves one LM-head pass per step; candidates then come from the "
-                   "draft alone — measured faster on the Qwen pair, see docs/performance.md)")
+                   "draft alone; an untrained exit adds little reuse on small pairs, see docs/performance.md)")
     gen.add_argument("--target-device", default="auto", help="device for the target graphs (see: mirrorsd devices)")
     gen.add_argument("--draft-device", default="auto", help="device for the draft graph")
     gen.add_argument("--static-draft", action="store_true",
@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "hf-assisted (transformers assisted generation), ov-ar, ov-sd (OpenVINO GenAI "
                             "speculative decoding), on the export's source models")
     flags.add(bench, B, "questions", type=Path,
-              help="SpecBench question.jsonl (default: shared/data/spec_bench, or $MIRRORSD_SPEC_BENCH)")
+              help="a SpecBench-shaped question.jsonl (default: $MIRRORSD_SPEC_BENCH, else the copy "
+                   "shipped with mirrorsd)")
     bench.add_argument("--categories", default=",".join(B.categories),
                        help=f"comma-separated SpecBench categories; none: {', '.join(specbench.DEFAULT_CATEGORIES)}")
     flags.add(bench, B, "per_category",

@@ -15,7 +15,8 @@ Glossary (seconds unless said otherwise; w = rows of a verification window = gam
     alpha         per-token acceptance: P(the target accepts a draft token | it accepted the ones before)
     reuse         fraction of Mirror-SD windows taken from a branch rolled out during verification (a hit)
 
-Step times (the paper's model, ALGORITHM.md, with the edge's contention terms and the worker's real schedule):
+Step times (the paper's model, docs/algorithm.md "Mirror-SD: what runs at the same time", with the edge's
+contention terms and the worker's real schedule):
 
     ar       T = verify(1)                                                         1 token per step
     sd       T = gamma * draft1 + verify(gamma + 1)                                E[A + 1] tokens per step

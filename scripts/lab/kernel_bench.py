@@ -1,7 +1,7 @@
 """MatMulNBits speed by rows M: ONNX Runtime (accuracy level 4 and 1) vs mirrorsd's kernel, on a chain of layers
 whose weights exceed the L3 cache, so every call streams them from memory (a decode step in miniature).
 
-    /work/bin/quiet python scripts/kernel_bench.py [--hidden 1536 --inner 1536 --layers 40] [--bits 4] [--threads 1,2]
+    /work/bin/quiet python scripts/lab/kernel_bench.py [--hidden 1536 --inner 1536 --layers 40] [--bits 4] [--threads 1,2]
                                                    [--spinning]
 
 Prints one markdown table: per thread count and kernel, ms per chain call for M = 1..8, the bytes read per call

@@ -1,6 +1,6 @@
 """What one target forward costs, by window width and context length: the terms of the SD step-time model.
 
-    python scripts/target_step_cost.py EXPORT_DIR [--contexts 128,512,1024,2048,4096] [--widths 1,2,3,4,5] [--kernels auto]
+    python scripts/lab/target_step_cost.py EXPORT_DIR [--contexts 128,512,1024,2048,4096] [--widths 1,2,3,4,5] [--kernels auto]
                                                   [--threads 2] [--device cpu] [--repeats 7]
 
 Prefills random token ids up to each context length (growing one cache), then times a forward of W new tokens at
