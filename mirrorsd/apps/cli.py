@@ -28,7 +28,7 @@ SHARED_POOL_HELP = ("run every ONNX Runtime CPU session on one thread pool for t
                     "threads; no per-session thread split, one thread count per process. Default: off, except that mode auto takes "
                     "it where its cached profile predicts it faster (`mirrorsd devices --profile` measures it); "
                     "--no-shared-pool keeps auto off it too")
-KERNELS_HELP = ("MatMulNBits kernel of ONNX Runtime CPU sessions: mirrorsd (runtime/kernels, the faster), ort (ONNX "
+KERNELS_HELP = ("MatMulNBits kernel of ONNX Runtime CPU sessions: mirrorsd (devices/kernels, the faster), ort (ONNX "
                 "Runtime's), auto (mirrorsd's where it builds and runs). Both keep every mode exact")
 
 
