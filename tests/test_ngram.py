@@ -291,12 +291,10 @@ def test_latency_ranks_ngram_from_its_replay():
 def test_auto_switches_to_ngram_when_its_replay_pays(pipe):
     """Auto told the draft is useless starts (and would stay) in ar; the text runs into a cycle, the replay
     finds that copied windows pay where a window costs what a row costs, and auto switches to ngram. Output = ar's."""
-    from dataclasses import replace
 
     from mirrorsd.runtime.decoder import DecodeSettings, decode
     from mirrorsd.runtime.planner.auto import AutoProposer
     from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts
-    from mirrorsd.runtime.sampling import GREEDY
 
     costs = SplitCosts(target_threads=pipe.threads[0], draft_threads=pipe.threads[1], verify_s=(0.010,) * 7,
                        exit_s=(0.001,) * 7, draft1_s=0.005, branch_fwd_s=0.006, branch_batch=2)
