@@ -56,14 +56,21 @@ def accuracy_level(model: str, attention: str) -> int:
     return INT8_ACTIVATIONS if model == "draft" or attention == "grouped" else FP32_ACTIVATIONS
 
 
-def quantize_model(model, precision: str, kind: str = "target", attention: str = "eager"):
+def quantize_model(model, precision: str, kind: str = "target", attention: str = "eager", blocks=None,
+                   role: str = ""):
     """The one quantization step, for whole graphs and for the pieces of a layer-streamed export alike: every
     MatMul whose weight is an initializer becomes MatMulNBits (``attention``: the folder's ``Manifest.attention``). Each MatMul's result depends on its weight and the
-    settings above only, so quantizing a graph piece by piece equals quantizing it whole."""
+    settings above only, so quantizing a graph piece by piece equals quantizing it whole.
+    ``blocks``: a gguf_blocks.BlockPlan whose carried GGUF blocks replace quantizing the weights it maps exactly
+    (same bits, block and no zero points), counted under graph ``role``."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     fold_weight_identities(model.graph)
+    if blocks is not None:
+        from mirrorsd.export.gguf_blocks import replace_matmuls
+
+        replace_matmuls(model, blocks, role, accuracy_level(kind, attention))
     quantizer = MatMulNBitsQuantizer(model, bits=BITS[precision], block_size=BLOCK, is_symmetric=True,
                                     accuracy_level=accuracy_level(kind, attention))
     quantizer.process()
