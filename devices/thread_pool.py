@@ -1,5 +1,5 @@
 """One ONNX Runtime thread pool shared by every CPU session of the process (``DeviceRequest.shared_pool``,
-``--shared-pool``; mode auto takes it where its profile predicts it faster, runtime/auto_threads.py).
+``--shared-pool``; mode auto takes it where its profile predicts it faster, runtime/planner/threads.py).
 
 With a pool per session, each ONNX Runtime session owns threads of its own, which sleep when idle (spinning off,
 because Mirror-SD runs the draft's and the target's sessions at once on the same cores). A pipeline holds four to

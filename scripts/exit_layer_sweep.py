@@ -10,7 +10,7 @@ layer; the rows are the answer positions, labelled with this model's own greedy 
 x = final_norm(h(L)), the untrained exit is x @ W (the LM head), the trained one fits the same adapter as
 mirrorsd-train-exit (export/early_exit/adapter.py) on the training rows; both are scored on the held-out rows.
 The prefix share is L / N (decoder layers are uniform; the embedding lookup is free and the LM head belongs to the
-suffix). Suggested layer: the latency model's (runtime/exit_layer.py) with --profile, a measured profile of the
+suffix). Suggested layer: the latency model's (runtime/planner/exit_layer.py) with --profile, a measured profile of the
 export (`mirrorsd devices --profile --model EXPORT`; its prefix times and the exit layer it was measured at): Mirror-SD's
 predicted tok/s at each layer from its trained top-4 hit rate, which trades a deeper exit's better hit rate against
 the suffix time left to hide the draft's branches under. `mirrorsd plan --profile P --exit-hits OUT.json` prints the
@@ -53,8 +53,8 @@ def suggestion(profile_file: Path | None, exit_layer: int | None, hits: dict[int
     """The latency model's table and best layer for the first thread split of ``profile_file`` with prefix times."""
     if profile_file is None:
         return "suggested exit layer: pass --profile (a measured profile of the export) for the latency model's choice"
-    from mirrorsd import profile as profiles
-    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table
+    from mirrorsd.runtime.planner import profile as profiles
+    from mirrorsd.runtime.planner.exit_layer import exit_layer_table, format_exit_table
 
     profile = profiles.load(profile_file)
     for costs, detail in zip(profile.splits, profile.detail or ({},) * len(profile.splits)):

@@ -6,7 +6,7 @@ whose weights exceed the L3 cache, so every call streams them from memory (a dec
 
 Prints one markdown table: per thread count and kernel, ms per chain call for M = 1..8, the bytes read per call
 (weights + scales) / time for M = 1 as GB/s and as a fraction of the copy bandwidth measured in the same run
-(mirrorsd.bandwidth), and each M's cost in one-row steps (ms(M) / ms(1)). The weights are random bytes: speed does
+(mirrorsd.apps.bandwidth), and each M's cost in one-row steps (ms(M) / ms(1)). The weights are random bytes: speed does
 not depend on their values. Needs onnx (to write the graph).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from mirrorsd.bandwidth import copy_bandwidth
+from mirrorsd.apps.bandwidth import copy_bandwidth
 from mirrorsd.runtime import kernels
 
 BLOCK = 32

@@ -199,7 +199,7 @@ def genai_row(manifest, prompts, args) -> Row:
     import openvino as ov
     import openvino_genai
 
-    from mirrorsd.peers import convert_to_openvino
+    from mirrorsd.apps.peers import convert_to_openvino
 
     ir = convert_to_openvino(Path(manifest.target.source), manifest.export_options.get("target_precision", "int4"))
     props = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": args.threads}
@@ -246,7 +246,7 @@ def main() -> None:
     parser.add_argument("--draft", action="store_true", help="also time one draft forward per draft setting")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    from mirrorsd.bench import default_questions, load_questions
+    from mirrorsd.apps.bench import default_questions, load_questions
     from mirrorsd.runtime.text import TextCodec
 
     manifest = load_manifest(args.folder)

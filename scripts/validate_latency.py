@@ -1,4 +1,4 @@
-"""Predicted against measured: the latency model (runtime/latency.py) on a measured profile, against bench runs.
+"""Predicted against measured: the latency model (runtime/planner/latency.py) on a measured profile, against bench runs.
 
     python scripts/validate_latency.py --profile ~/.cache/mirrorsd/profiles/qwen-t4d4-XXXX.json \
         --runs bench_a/runs.json:2+2 --runs bench_b/runs.json:1+1 [--gamma 4]
@@ -17,8 +17,8 @@ import json
 import re
 from pathlib import Path
 
-from mirrorsd import profile as profiles
-from mirrorsd.runtime.latency import Acceptance, Strategy, alpha_from_mean_accepted, predict
+from mirrorsd.runtime.planner import profile as profiles
+from mirrorsd.runtime.planner.latency import Acceptance, Strategy, alpha_from_mean_accepted, predict
 
 
 def strategy_of(mode: str, gamma: int, split: str) -> tuple[Strategy, str] | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-TOOLS = {"mirrorsd": "mirrorsd.cli", "mirrorsd-export": "mirrorsd.export.cli",
+TOOLS = {"mirrorsd": "mirrorsd.apps.cli", "mirrorsd-export": "mirrorsd.export.cli",
          "mirrorsd-train-draft": "mirrorsd.export.streaming.cli", "mirrorsd-train-exit": "mirrorsd.export.early_exit.cli"}
 MEMORY_LIMIT = 8 * 2**30  # address space of a case's process: a hostile case must fail, not take the machine
 LEFTOVER = re.compile(r"^\.[^/]+\.(partial|replaced)-")

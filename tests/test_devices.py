@@ -210,7 +210,7 @@ def test_plugin_ep_draft_keeps_parity(exported, reference_tokens):
 
 
 def test_devices_command_prints_machine_and_plan(exported, capsys):
-    from mirrorsd.cli import main
+    from mirrorsd.apps.cli import main
 
     assert main(["devices", "--model", str(exported("llama"))]) == 0
     out = capsys.readouterr().out

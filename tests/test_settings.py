@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mirrorsd import specbench
-from mirrorsd.bench import BenchOptions
+from mirrorsd.apps.bench import BenchOptions
 from mirrorsd.errors import ExportOptionError, GenerationInputError
 from mirrorsd.export.options import ExportOptions
 from mirrorsd.export.streaming.options import TrainOptions
@@ -17,7 +17,7 @@ from mirrorsd.runtime import GenerationConfig
 from mirrorsd.runtime.config import MirrorSettings
 
 def parsed(command: str, argv: list[str]):
-    from mirrorsd.cli import build_parser
+    from mirrorsd.apps.cli import build_parser
     from mirrorsd.export.cli import build_parser as export_parser
     from mirrorsd.export.streaming.cli import build_parser as train_parser
 
@@ -26,7 +26,7 @@ def parsed(command: str, argv: list[str]):
 
 def built(command: str, argv: list[str]):
     """The settings object a command builds from ``argv``."""
-    from mirrorsd.cli import bench_options, generation_config
+    from mirrorsd.apps.cli import bench_options, generation_config
     from mirrorsd.export.cli import export_options
     from mirrorsd.export.streaming.cli import train_options
 

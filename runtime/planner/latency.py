@@ -1,7 +1,7 @@
 """The latency model: tokens/s of ar, sd and mirror predicted from measured step costs and acceptance statistics.
 
-Pure functions of numbers (no sessions, no threads). The costs come from a device profile (mirrorsd/profile.py),
-the acceptance statistics from a calibration run or from the running generation (runtime/auto.py).
+Pure functions of numbers (no sessions, no threads). The costs come from a device profile (runtime/planner/profile.py),
+the acceptance statistics from a calibration run or from the running generation (runtime/planner/auto.py).
 
 Glossary (seconds unless said otherwise; w = rows of a verification window = gamma + 1):
 

@@ -1,5 +1,5 @@
 """Mode auto's placement: which device runs the target and which the draft, decided at load time from measured
-profiles, together with the thread split (runtime/auto_threads.py).
+profiles, together with the thread split (runtime/planner/threads.py).
 
     candidates  every (target, draft) device pair the request allows here (devices/placement.placement_candidates:
                 for a model left on ``auto``, each device of its chain that works here, including the ones the
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mirrorsd.runtime import auto_threads
-from mirrorsd.runtime.auto_threads import KEEP_MARGIN, SplitRule, ThreadChoice
+from mirrorsd.runtime.planner import threads as auto_threads
+from mirrorsd.runtime.planner.threads import KEEP_MARGIN, SplitRule, ThreadChoice
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The predicted table: ``mirrorsd devices --profile``, ``mirrorsd devices --model`` and ``mirrorsd plan``.
 
-Every number these print is a prediction of the latency model (runtime/latency.py) from a profile, never a
+Every number these print is a prediction of the latency model (runtime/planner/latency.py) from a profile, never a
 measurement; the table says so in its title.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from mirrorsd.runtime.latency import Acceptance, Table, rank
+from mirrorsd.runtime.planner.latency import Acceptance, Table, rank
 
 
 def summary_rows(table: Table) -> list:
@@ -58,7 +58,7 @@ def acceptance_override(base: Acceptance | None, alpha: float | None, reuse: flo
 
 def plan_command(args) -> int:
     """``mirrorsd plan --profile FILE``: the predicted table of a (hand-written) profile."""
-    from mirrorsd import profile as profiles
+    from mirrorsd.runtime.planner import profile as profiles
     from mirrorsd.cli_exit import write_stdout
 
     profile = profiles.load(args.profile)
@@ -81,7 +81,8 @@ def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int
     import json
 
     from mirrorsd.errors import ProfileError
-    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table, noexit_tokens_per_second, read_hits
+    from mirrorsd.runtime.planner.exit_layer import (exit_layer_table, format_exit_table, noexit_tokens_per_second,
+                                                     read_hits)
 
     try:
         hits, layers = read_hits(json.loads(Path(hits_file).read_text()), topk, kind)
@@ -144,7 +145,7 @@ def _measure_placement(args, request) -> None:
     is reported and skipped (the others are still measured)."""
     from mirrorsd.errors import MirrorSDError
     from mirrorsd.runtime import Pipeline
-    from mirrorsd.runtime.profiling import profile_for
+    from mirrorsd.runtime.planner.profiling import profile_for
 
     print(f"\nPlacement target {request.target}, draft {request.draft}:")
     for t, d in splits_to_profile(args.threads):
@@ -157,7 +158,7 @@ def _measure_placement(args, request) -> None:
             return
 
 
-SHARED_CHILD = "import sys; from mirrorsd.cli_plan import profile_on_shared_pool; " \
+SHARED_CHILD = "import sys; from mirrorsd.apps.plan import profile_on_shared_pool; " \
                "profile_on_shared_pool(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == '1')"
 
 
@@ -184,7 +185,7 @@ def profile_on_shared_pool(model: str, threads: int, kernels: str, static_draft:
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.errors import MirrorSDError
     from mirrorsd.runtime import Pipeline
-    from mirrorsd.runtime.profiling import profile_for
+    from mirrorsd.runtime.planner.profiling import profile_for
 
     request = DeviceRequest("cpu", "cpu", threads, threads, static_draft, kernels=kernels, shared_pool=True)
     try:
@@ -197,7 +198,7 @@ def profile_on_shared_pool(model: str, threads: int, kernels: str, static_draft:
 def _cached_tables(found: dict, chain_pick: tuple[str, str]) -> list[str]:
     """The predicted table of every placement with a cached profile (``found``: Pipeline.placement_profiles),
     ranked with the acceptance choose_placement ranks them with."""
-    from mirrorsd.runtime.auto_placement import pair_name, ranking_acceptance
+    from mirrorsd.runtime.planner.placement import pair_name, ranking_acceptance
 
     out = []
     shared = ranking_acceptance(found, chain_pick)

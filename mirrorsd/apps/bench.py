@@ -65,12 +65,13 @@ class BenchResult:
     peak_rss_mb: float = 0.0
     skipped: list[int] = field(default_factory=list)
     machine: dict = field(default_factory=dict)
-    ceilings: list = field(default_factory=list)  # mirrorsd.bandwidth.Ceiling per thread count
+    ceilings: list = field(default_factory=list)  # mirrorsd.apps.bandwidth.Ceiling per thread count
     chat: bool = True  # prompts through the export's chat template; False: raw completion (it has none)
 
 
 VARIANTS = {  # bench mode name -> GenerationConfig fields
     **{mode: {"mode": mode} for mode in (*MODES, AUTO)},  # auto: the mode the latency model picks (its why: stats)
+    "sd-ngram": {"mode": "sd", "ngram": True},  # sd whose draft checks a prompt-lookup guess as lookahead
     "mirror-noexit": {"mode": "mirror", "exit_head": False},  # draft runner-ups only: no exit-head pass
     "mirror-cap": {"mode": "mirror", "branch_budget": "cap"},  # every step rolls out all branches
     # more branches per step in wider batches (3 rows cost little more than 2 for a bandwidth-bound int4 draft)
@@ -91,7 +92,7 @@ NATIVE_VARIANTS = {
 
 
 def variant(mode: str) -> dict:
-    from mirrorsd.peers import PEER_MODES
+    from mirrorsd.apps.peers import PEER_MODES
 
     if mode in PEER_MODES:
         return {}
@@ -118,7 +119,7 @@ def run_bench(options: BenchOptions, progress=True) -> BenchResult:
     prompt token ids (one family loaded at a time: a second fp32 target beside ours would not fit 24 GiB)."""
     import resource
 
-    from mirrorsd.peers import is_peer_mode
+    from mirrorsd.apps.peers import is_peer_mode
 
     check_options(options)  # unknown modes fail before anything loads
     questions = specbench.first_per_category(specbench.read(options.questions), options.categories,
@@ -128,7 +129,7 @@ def run_bench(options: BenchOptions, progress=True) -> BenchResult:
     ours = [m for m in options.modes if not is_peer_mode(m)]
     peers = [m for m in options.modes if is_peer_mode(m)]
     if options.bandwidth:
-        from mirrorsd.bandwidth import ceilings
+        from mirrorsd.apps.bandwidth import ceilings
         from mirrorsd.manifest import load_manifest
 
         counts = tuple(sorted({own_threads(options), options.baseline_threads or 1, os.cpu_count() or 1}))
@@ -172,7 +173,7 @@ def own_threads(options: BenchOptions) -> int:
 @contextlib.contextmanager
 def _auto_pipeline(options: BenchOptions, modes: list[str], devices, pipe):
     """The pipeline mode auto runs in: its own one with the placement and thread split the cached profiles predict
-    fastest (runtime/auto_placement.py), when that differs from the other modes' pipeline; else ``pipe``."""
+    fastest (runtime/planner/placement.py), when that differs from the other modes' pipeline; else ``pipe``."""
     from dataclasses import replace
 
     from mirrorsd.runtime import Pipeline
@@ -250,7 +251,7 @@ class _NativeRun:
         self.native, self.mode, self.settings = native, mode, settings
 
     def __call__(self, ids: list[int]):
-        from mirrorsd.peers import PeerOutput
+        from mirrorsd.apps.peers import PeerOutput
 
         out = self.native.generate(ids, **self.settings)
         return PeerOutput(out.tokens, {**out.stats, "mode": self.mode})
@@ -266,7 +267,7 @@ def _native_model(options: BenchOptions, modes: list[str]):
 
     if not modes:
         return contextlib.nullcontext()
-    from mirrorsd.native import NativeModel, build_library
+    from mirrorsd.runtime.native import NativeModel, build_library
 
     threads = own_threads(options)
     return NativeModel(options.model, options.native_library or build_library(),
@@ -279,7 +280,7 @@ def _peer_passes(options: BenchOptions, modes: list[str], questions: list[Questi
     """Each peer family loaded once, warmed up, run on every prompt (its modes in rotating order), then closed."""
     from tqdm import tqdm
 
-    from mirrorsd.peers import PeerModels, families, hf_folder, open_peer
+    from mirrorsd.apps.peers import PeerModels, families, hf_folder, open_peer
 
     precisions = manifest.export_options
     models = PeerModels(

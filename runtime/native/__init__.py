@@ -78,10 +78,8 @@ TOKEN_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64, ctypes.c_void_
 
 
 def source_dir() -> Path:
-    """runtime/native: the library's CMake project (inside the mirrorsd.runtime package)."""
-    import mirrorsd.runtime
-
-    return Path(mirrorsd.runtime.__file__).resolve().parent / "native"
+    """runtime/native: the library's CMake project (this binding's own folder)."""
+    return Path(__file__).resolve().parent
 
 
 def wheel_onnxruntime() -> Path:
@@ -134,7 +132,8 @@ def load_library(path: Path | str) -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(key)
     except OSError as exc:
-        raise NativeLibraryError(f"Cannot load {path}", str(exc), "build it: mirrorsd.native.build_library()") from None
+        raise NativeLibraryError(f"Cannot load {path}", str(exc),
+                                 "build it: mirrorsd.runtime.native.build_library()") from None
     status, ptr, i32, p_i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64)
     declare = {"mirrorsd_version": (ctypes.c_char_p, []), "mirrorsd_last_error": (ctypes.c_char_p, []),
                "mirrorsd_open_options_init": (None, [ctypes.POINTER(OpenOptions)]),

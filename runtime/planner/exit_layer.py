@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from mirrorsd.runtime.latency import Acceptance, SplitCosts, Strategy, predict
+from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts, Strategy, predict
 
 
 @dataclass(frozen=True)

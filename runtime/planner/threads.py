@@ -1,7 +1,7 @@
 """Mode auto's thread split: which intra-op thread counts the target's and the draft's sessions get at load time.
 
 A session's thread count is fixed when it opens, so this is decided once per loaded pipeline, before any
-generation, from the cached profile of the export and its placement (mirrorsd/profile.py):
+generation, from the cached profile of the export and its placement (runtime/planner/profile.py):
 
     candidates  every thread split the profile holds that the pipeline may take (SplitRule): ``mirrorsd devices
                 --profile`` measures every core per session, one per session, and every core on the process's
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mirrorsd.runtime.latency import Acceptance, rank, split_name
+from mirrorsd.runtime.planner.latency import Acceptance, rank, split_name
 
 KEEP_MARGIN = 0.05  # switch splits only when another is predicted more than 5 % faster (profile noise ~ +-5-10 %)
 

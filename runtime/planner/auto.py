@@ -1,14 +1,14 @@
 """``--mode auto``: run the strategy the latency model predicts fastest, and re-plan when the prediction fails.
 
     plan      rank ar, sd and mirror (with and without the exit head) at every gamma on the pipeline's own thread
-              split (runtime/latency.py), from its measured profile and the pair's acceptance (calibration, then
+              split (runtime/planner/latency.py), from its measured profile and the pair's acceptance (calibration, then
               what earlier generations measured); take the fastest
     generate  the chosen proposer does the work; every step's wall time and committed tokens are recorded
     re-plan   when the last RECHECK_STEPS steps ran more than SLACK below the prediction, rank again with the
               acceptance measured so far in this generation (e.g. acceptance collapsed: drop to ar). If the same
               strategy still wins, the machine is simply slower than profiled: the prediction is scaled to what
               was measured, so that it does not re-plan every 16 steps for nothing
-    leave ar  while in ar, the draft is probed every PROBE_STEPS steps on the committed text (runtime/ar_probe.py:
+    leave ar  while in ar, the draft is probed every PROBE_STEPS steps on the committed text (planner/ar_probe.py:
               teacher-forced, the target's tokens untouched) and the strategies ranked again with the alpha it
               measured; auto leaves ar when a speculative strategy is predicted LEAVE_MARGIN faster than ar
     switch    the old proposer is finished (a Mirror-SD worker stops) and the new one starts from the committed
@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mirrorsd.runtime.ar_probe import PROBE_STEPS, ArProbe, leave_ar, speculation_can_pay
-from mirrorsd.runtime.latency import Acceptance, Prediction, SplitCosts, Strategy, Table, rank
+from mirrorsd.runtime.planner.ar_probe import PROBE_STEPS, ArProbe, leave_ar, speculation_can_pay
+from mirrorsd.runtime.planner.latency import Acceptance, Prediction, SplitCosts, Strategy, Table, rank
 from mirrorsd.runtime.rollout import Window
 from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.verify import Verdict

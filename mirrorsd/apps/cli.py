@@ -34,7 +34,7 @@ KERNELS_HELP = ("MatMulNBits kernel of ONNX Runtime CPU sessions: mirrorsd (runt
 
 def build_parser() -> argparse.ArgumentParser:
     from mirrorsd import flags, specbench
-    from mirrorsd.bench import BenchOptions as B
+    from mirrorsd.apps.bench import BenchOptions as B
     from mirrorsd.names import PRECISIONS
     from mirrorsd.runtime.config import MODE_CHOICES, GenerationConfig as G
     from mirrorsd.runtime.sampling import RULES
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
               help="auto: the fastest of the others as predicted from this machine's measured profile (it picks "
                    "gamma and the exit head too, and re-plans if the prediction fails; measured once per export and "
                    "device set, then cached); ar: target only; sd: draft then verify; mirror: draft branches run "
-                   "during verification")
+                   "during verification; ngram: windows copied from earlier text (prompt lookup, no draft model)")
     flags.add(gen, G, "max_new_tokens", help="tokens to generate at most (EOS and the context may stop it earlier)")
     flags.add(gen, G, "gamma", help="draft window: tokens proposed per step (auto picks its own, 1..6)")
     flags.add(gen, G, "branches", help="mirror: branches rolled out per step at most")
@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the fixed-shape draft (exported with --static-draft) on any device")
     gen.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto", help=KERNELS_HELP)
     gen.add_argument("--shared-pool", action=argparse.BooleanOptionalAction, default=None, help=SHARED_POOL_HELP)
+    flags.add(gen, G, "ngram", help="sd: feed the draft a prompt-lookup guess as lookahead (the same windows, fewer "
+                                    "draft forwards where the text repeats)")
+    flags.add(gen, G, "ngram_min", help="ngram, sd --ngram: the shortest earlier n-gram a lookup matches")
+    flags.add(gen, G, "ngram_max", help="ngram, sd --ngram: the longest n-gram a lookup tries first")
     flags.add(gen, G, "streaming", "--no-streaming",
               help="sd/mirror: draft with the plain draft even when the export has a streaming draft "
                    "(draft_streaming.onnx, from mirrorsd-train-draft)")
@@ -233,7 +237,7 @@ def generation_config(args):
 def bench_options(args):
     """The BenchOptions that ``mirrorsd bench``'s flags ask for."""
     from mirrorsd import flags
-    from mirrorsd.bench import BenchOptions
+    from mirrorsd.apps.bench import BenchOptions
 
     return flags.build(BenchOptions, args, modes=tuple(m for m in args.modes.split(",") if m),
                        categories=tuple(c for c in args.categories.split(",") if c),
@@ -285,17 +289,17 @@ def _devices(args) -> int:
             print(f"  cannot place it: {exc}")
             return exc.exit_code
         print("\n".join(plan.lines(manifest)))
-        from mirrorsd.cli_plan import devices_table
+        from mirrorsd.apps.plan import devices_table
 
         return devices_table(args, measure=args.profile)
     return 0
 
 
 def _bench(args) -> int:
-    from mirrorsd.bench import check_options, run_bench
-    from mirrorsd.bench_report import markdown, write_outputs
+    from mirrorsd.apps.bench import check_options, run_bench
+    from mirrorsd.apps.bench_report import markdown, write_outputs
     from mirrorsd.output_folder import BENCH, check_output, staged
-    from mirrorsd.peers import is_peer_mode
+    from mirrorsd.apps.peers import is_peer_mode
 
     options = bench_options(args)
     check_options(options)
@@ -329,7 +333,7 @@ def _eval(args) -> int:
 
 
 def _plan(args) -> int:
-    from mirrorsd.cli_plan import plan_command
+    from mirrorsd.apps.plan import plan_command
 
     return plan_command(args)
 

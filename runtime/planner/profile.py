@@ -1,10 +1,10 @@
 """Device profiles: what each graph costs on each device and thread split, as a small JSON file.
 
-A measured profile (``mirrorsd devices --profile --model EXPORT``, runtime/profiling.py) is cached per export and
-device set under ``<cache>/profiles/`` (``<cache>`` = ``$MIRRORSD_CACHE`` or ``~/.cache/mirrorsd``; or
-``$MIRRORSD_PROFILES``). A hand-written
-one describes a machine we do not have (docs/profiles/*.json, ``mirrorsd plan --profile FILE``). The schema is
-documented in docs/profile.md; loading rejects unknown keys and other schema versions.
+A measured profile (``mirrorsd devices --profile --model EXPORT``, runtime/planner/profiling.py) is cached per export
+and device set under ``<cache>/profiles/`` (``<cache>`` = ``$MIRRORSD_CACHE`` or ``~/.cache/mirrorsd``; or
+``$MIRRORSD_PROFILES``). A hand-written one describes a machine we do not have (docs/profiles/*.json,
+``mirrorsd plan --profile FILE``). The schema is documented in docs/profile.md; loading rejects unknown keys and other
+schema versions.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from mirrorsd.errors import ProfileError
-from mirrorsd.runtime.latency import Acceptance, SplitCosts
+from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts
 
 SCHEMA = "mirrorsd-profile/1"
 CACHE_ENV = "MIRRORSD_PROFILES"  # a folder for cached profiles instead of <cache>/profiles (tests use a tmp one)

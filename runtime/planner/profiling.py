@@ -13,7 +13,7 @@
                and the reuse rates
 
 Times are medians of ``repeats`` runs after one warm-up. The result is cached per export and device set
-(mirrorsd/profile.py); ``profile_for`` measures only what the cache lacks.
+(runtime/planner/profile.py); ``profile_for`` measures only what the cache lacks.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 
-from mirrorsd import profile as profiles
+from mirrorsd.runtime.planner import profile as profiles
 from mirrorsd.runtime.config import GenerationConfig
-from mirrorsd.runtime.latency import Acceptance, SplitCosts, alpha_from_mean_accepted, split_name
+from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts, alpha_from_mean_accepted, split_name
 from mirrorsd.runtime.rollout import branches, fresh
 from mirrorsd.runtime.sampling import GREEDY
 from mirrorsd.runtime.verify import Branch, greedy_tokens
@@ -279,7 +279,7 @@ def fit_mirror_host(costs: SplitCosts, acceptance: Acceptance, how: dict) -> Spl
     """``costs`` with mirror_host_s fitted: the calibration's measured Mirror-SD step minus the model's (>= 0)."""
     from dataclasses import replace
 
-    from mirrorsd.runtime.latency import mirror_step
+    from mirrorsd.runtime.planner.latency import mirror_step
 
     gamma = how["gamma"]
     extra = tuple(max(0.0, measured - mirror_step(costs, gamma, exit_head, acceptance.reuse_for(exit_head),

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from mirrorsd.runtime.latency import ALPHA_CAP, Acceptance, Table
+from mirrorsd.runtime.planner.latency import ALPHA_CAP, Acceptance, Table
 
 PROBE_STEPS = 32  # ar steps between probes: one batched draft forward per 32 target steps
 MIN_PROBE_ROWS = 16  # scored positions before the probe's alpha replaces what was known

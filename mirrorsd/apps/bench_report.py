@@ -6,8 +6,8 @@ import statistics
 import time
 from pathlib import Path
 
-from mirrorsd.bench import BenchResult, own_threads
-from mirrorsd.peers import is_peer_mode
+from mirrorsd.apps.bench import BenchResult, own_threads
+from mirrorsd.apps.peers import is_peer_mode
 
 COLUMNS = ("mode", "tok/s", "speedup", "mean accepted", "acceptance", "reuse", "overlap", "draft fwd/window",
            "parity")
@@ -68,13 +68,13 @@ def markdown(result: BenchResult, command: str) -> str:
     peer_rows = [r for r in rows if is_peer_mode(r["mode"])]
     if peer_rows:
         lines += ["", "Peers ran after mirrorsd's modes, one system at a time, on the same prompt token ids, with all "
-                  "cores (see `mirrorsd.peers`); their parity column compares them with mirrorsd's `ar`."]
+                  "cores (see `mirrorsd.apps.peers`); their parity column compares them with mirrorsd's `ar`."]
         lines += _peer_self_parity(result)
     return "\n".join(lines) + "\n"
 
 
 def _ceiling_lines(result: BenchResult, rows: list[dict]) -> list[str]:
-    """ar's decode speed against weight bytes ÷ measured bandwidth (see mirrorsd.bandwidth)."""
+    """ar's decode speed against weight bytes ÷ measured bandwidth (see mirrorsd.apps.bandwidth)."""
     if not result.ceilings:
         return []
     first = result.ceilings[0]
