@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mirrorsd.errors import GenerationInputError
-from mirrorsd.quality import DEFAULT_TEXT, EvalOptions, evaluate, score_window, table, windows
+from mirrorsd.apps.quality import DEFAULT_TEXT, EvalOptions, evaluate, score_window, table, windows
 from tiny_models import VOCAB, build_model
 
 CYCLE_TEXT = "The quick brown fox jumps over the lazy dog. " * 36  # 15 tokens a sentence: ~540 tokens
@@ -118,7 +118,7 @@ def test_uniform_model_has_perplexity_near_the_vocabulary(models, cycle_text):
 
 
 def test_shipped_text_scores_through_the_cli(models, capsys):
-    from mirrorsd.cli import main
+    from mirrorsd.apps.cli import main
 
     assert DEFAULT_TEXT.is_file() and len(DEFAULT_TEXT.read_text().split()) > 500
     _, export = models["uniform"]

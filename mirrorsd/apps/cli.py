@@ -324,7 +324,7 @@ def _quantize(args) -> int:
 
 
 def _eval(args) -> int:
-    from mirrorsd.quality import EvalOptions, evaluate, table, to_dict
+    from mirrorsd.apps.quality import EvalOptions, evaluate, table, to_dict
 
     options = EvalOptions(tuple(args.model), args.reference, args.role, args.text, args.window, args.max_tokens)
     result = evaluate(options)  # the progress bar goes to stderr

@@ -7,7 +7,7 @@
 
 The text defaults to ``mirrorsd/data/eval_text.txt``, written for this project (docs/quality.md says what it holds).
 Every model is scored in turn and closed before the next one opens, so memory stays at one model. Scorers live in
-quality_models.py (export folders, Hugging Face folders, OpenVINO IR folders); this module holds the arithmetic
+apps/quality_models.py (export folders, Hugging Face folders, OpenVINO IR folders); this module holds the arithmetic
 and the loop.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from mirrorsd.errors import GenerationInputError
 
-DEFAULT_TEXT = Path(__file__).parent / "data" / "eval_text.txt"
+DEFAULT_TEXT = Path(__file__).parent.parent / "data" / "eval_text.txt"
 MIN_WINDOW = 2  # a window scores its tokens after the first: fewer than two tokens scores nothing
 
 
@@ -126,7 +126,7 @@ def evaluate(options: EvalOptions, progress: bool = True) -> EvalResult:
 
     from tqdm import tqdm
 
-    from mirrorsd.quality_models import ROLES, open_scorer, scorer_kind
+    from mirrorsd.apps.quality_models import ROLES, open_scorer, scorer_kind
 
     check_options(options)
     text = read_text(options.text)
