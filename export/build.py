@@ -194,4 +194,11 @@ def _effect(job: ModelJob, builds: dict, shared: dict, scratch: Path) -> dict[st
     before = shared[owner.ROLE]["full"][names.LOGITS]
     kv = {role: build.io.kv for role, build in builds.items()}
     after, mask = validate.model_logits(scratch, job.model, job.source.info, job.exit_layer, kv)
-    return {owner.ROLE: validate.quantization_effect(job.model, before, after, mask)}
+    effect = validate.quantization_effect(job.model, before, after, mask)
+    text = validate.text_batch(job.source.tokenizer, job.source.info)
+    if text is not None:  # and on real text: the fp32 model in PyTorch against the quantized files
+        info = job.source.info
+        reference = validate.torch_reference(job.source, *text, info.num_layers, None)[0]
+        quantized, _ = validate.model_logits(scratch, job.model, info, job.exit_layer, kv, batch=text)
+        effect.update(validate.text_agreement(job.model, reference, quantized))
+    return {owner.ROLE: effect}

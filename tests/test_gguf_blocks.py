@@ -154,3 +154,14 @@ def test_packing_round_trips():
     packed = pack(codes, 4)
     assert packed.shape == (3, 2, 16) and (packed[..., 0] & 0x0F == codes[..., 0]).all()
     assert np.array_equal(unpack(packed, 4), codes)
+
+
+def test_the_export_records_a_real_text_agreement_beside_the_random_ids(exports):
+    """The export-time check keeps its random-id figures and adds top-1 agreement with fp32 on the shipped text."""
+    graphs = json.loads((exports["exact"] / "mirrorsd.json").read_text())["graphs"]
+    for role, model in (("suffix", "target"), ("draft", "draft")):
+        validation = graphs[role]["validation"]
+        assert {f"{model}_quant_top1_agreement", f"{model}_quant_max_abs_diff"} <= set(validation)
+        assert 0.0 <= validation[f"{model}_quant_text_top1_agreement"] <= 1.0
+    # the int8 draft of a GGUF whose blocks all carry at 8 bits but one: fp32 and int8 agree almost everywhere
+    assert graphs["draft"]["validation"]["draft_quant_text_top1_agreement"] >= 0.9

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from mirrorsd.data import EVAL_TEXT
 from mirrorsd.errors import GenerationInputError
 
-DEFAULT_TEXT = Path(__file__).parent.parent / "data" / "eval_text.txt"
+DEFAULT_TEXT = EVAL_TEXT
 MIN_WINDOW = 2  # a window scores its tokens after the first: fewer than two tokens scores nothing
 
 

@@ -1,0 +1,5 @@
+"""Data that ships with mirrorsd: the text ``mirrorsd eval`` and the export-time check score models on
+(written for this project; docs/quality.md)."""
+from pathlib import Path
+
+EVAL_TEXT = Path(__file__).parent / "eval_text.txt"
