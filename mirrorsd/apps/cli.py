@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--draft-precision", choices=quantized, help="default: the draft stays as it is in --model")
     quant.add_argument("--force", action="store_true",
                        help="replace --output if it holds a previous export (only after success)")
+    quant.add_argument("--scale-search", choices=("none", "mse", "data"), default="none",
+                       help="each block's scale: none = ONNX Runtime's round-to-nearest; mse = the scale that "
+                            "minimises the block's squared error; data = the same weighted by each input channel's "
+                            "activations on the shipped calibration text (needs torch: the [export] extra). Same "
+                            "layout either way (symmetric, block 32), so every mode stays exact")
+    quant.add_argument("--head-bits", type=int, choices=(4, 8),
+                       help="bits of the LM head (default: the model's precision); 8 keeps the head finer")
     ev = sub.add_parser("eval", help="perplexity and top-1 agreement with a reference on real text (quality of a "
                                      "quantized export)", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                         description="Score models on a text: perplexity, and the share of positions whose most likely "
@@ -318,7 +325,7 @@ def _quantize(args) -> int:
     from mirrorsd.export.requantize import requantize
 
     out = requantize(args.model, args.output, args.target_precision, args.draft_precision, args.force,
-                     lambda step: print(f"{step} ...", file=sys.stderr, flush=True))
+                     lambda step: print(f"{step} ...", file=sys.stderr, flush=True), args.scale_search, args.head_bits)
     write_stdout(f"{out}\n")
     return 0
 

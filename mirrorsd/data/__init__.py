@@ -3,3 +3,4 @@
 from pathlib import Path
 
 EVAL_TEXT = Path(__file__).parent / "eval_text.txt"
+CALIBRATION_TEXT = Path(__file__).parent / "calibration_text.txt"  # the data-aware scale search's (export/rounding.py)
