@@ -79,7 +79,7 @@ def native_build(tmp_path_factory):
 @pytest.fixture(scope="session")
 def native_models(native_build):
     """native_models(folder) -> a NativeModel (libmirrorsd) on that export folder, shared and closed at the end."""
-    from mirrorsd.native import NativeModel
+    from mirrorsd.runtime.native import NativeModel
 
     opened: dict = {}
 

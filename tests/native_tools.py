@@ -20,7 +20,7 @@ def compiler_missing() -> str:
 def build(build_dir: Path) -> SimpleNamespace:
     """samples/cpp (which includes runtime/native) built into ``build_dir``, unless this process built it already."""
     if "tools" not in _built:
-        from mirrorsd.native import LIBRARY_NAME, cmake_build
+        from mirrorsd.runtime.native import LIBRARY_NAME, cmake_build
 
         out = cmake_build(ROOT / "samples" / "cpp", Path(build_dir))
         _built["tools"] = SimpleNamespace(folder=out, library=out / "mirrorsd" / LIBRARY_NAME,

@@ -14,7 +14,7 @@ from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.errors import DeviceError, GenerationInputError
 from mirrorsd.export.pipeline import ExportOptions, export
 from mirrorsd.manifest import load_manifest
-from mirrorsd.native import NativeModel
+from mirrorsd.runtime.native import NativeModel
 from mirrorsd.runtime import GenerationConfig, Pipeline, kernels
 
 from test_native import token_lines

@@ -40,7 +40,7 @@ def usable_library() -> KernelLibrary:
 
 def build_id() -> str | None:
     """Which build of the library and which path of it sessions here run (e.g. "avx2/3f9c0e1d2a4b5c6d"), or None
-    when they cannot: a profile measured with one build does not describe another (mirrorsd/profile.py)."""
+    when they cannot: a profile measured with one build does not describe another (runtime/planner/profile.py)."""
     try:
         built = usable_library()
     except KernelsUnavailableError:

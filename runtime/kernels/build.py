@@ -70,7 +70,7 @@ def find_compiler() -> str | None:
 @functools.lru_cache(maxsize=None)
 def build_hash(compiler: str) -> str:
     """The build's name: sources, headers, compiler version, ONNX Runtime version, machine and flags (once per
-    process and compiler: it reads every source and runs the compiler, ~13 ms, and profile lookups ask per file)."""
+    process and compiler: it reads every source and runs the compiler, and profile lookups ask per file)."""
     import onnxruntime
 
     digest = hashlib.sha256()
