@@ -36,7 +36,7 @@ class NativeLibraryError(MirrorSDError):
 
 
 ERRORS = {1: GenerationInputError, 2: ManifestError, 3: GraphFileError, 4: DeviceError, 5: NativeLibraryError,
-          6: DraftWorkerError, 7: NativeLibraryError}
+          6: DraftWorkerError, 7: NativeLibraryError, 8: GenerationInputError}  # 8: busy (re-entry, close in use)
 
 
 class OpenOptions(ctypes.Structure):
@@ -142,7 +142,7 @@ def load_library(path: Path | str) -> ctypes.CDLL:
                "mirrorsd_model_get_info": (status, [ptr, ctypes.POINTER(ModelInfo)]),
                "mirrorsd_generate": (status, [ptr, p_i64, i32, ctypes.POINTER(GenerateConfig), TOKEN_CALLBACK, ptr,
                                               ctypes.POINTER(Stats)]),
-               "mirrorsd_close": (None, [ptr])}
+               "mirrorsd_close": (status, [ptr])}
     for name, (restype, argtypes) in declare.items():
         function = getattr(lib, name)
         function.restype, function.argtypes = restype, argtypes
@@ -262,7 +262,7 @@ class NativeModel:
 
     def close(self) -> None:
         if self.handle is not None:
-            self.lib.mirrorsd_close(self.handle)
+            raise_for(self.lib, self.lib.mirrorsd_close(self.handle))
             self.handle = None
 
     def __enter__(self) -> "NativeModel":
