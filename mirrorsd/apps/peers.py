@@ -17,7 +17,7 @@
     ``num_assistant_tokens = gamma``, and with ``assistant_confidence_threshold = OV_CONFIDENCE_THRESHOLD``
     (the draft proposes while its confidence stays above it).
 ``llama-ar`` / ``llama-sd`` / ``llama-ngram``
-    llama.cpp's server on the GGUF files the export was converted from (see ``mirrorsd.peers_llamacpp``).
+    llama.cpp's server on the GGUF files the export was converted from (see ``mirrorsd.apps.peers_llamacpp``).
 
 Every peer uses all cores (its default): the bench's ``ar`` baseline gives each ONNX Runtime session
 ``--threads``, so read peer rows against ``ar-Nt`` (``--baseline-threads``) as well. Only wall time, token ids and
@@ -278,7 +278,7 @@ def open_peer(family: str, modes: list[str], models: PeerModels, eos_ids: tuple[
     if family == "transformers":
         return TransformersPeer(models, eos_ids)
     if family == "llama.cpp":
-        from mirrorsd.peers_llamacpp import LlamaCppPeer
+        from mirrorsd.apps.peers_llamacpp import LlamaCppPeer
 
         return LlamaCppPeer(models, eos_ids, modes)
     speculative = any(PEER_MODES[m][1] for m in modes)
