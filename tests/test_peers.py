@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from mirrorsd.bandwidth import Ceiling
-from mirrorsd.bench import BenchOptions, BenchResult, PromptRun, cpu_facts
-from mirrorsd.bench_report import COLUMNS, machine_line, markdown
-from mirrorsd.peers import (PEER_MODES, PeerModels, PeerUnavailableError, assistant_schedule, families, peer_stats)
-from mirrorsd.peers_llamacpp import (SERVER_ENV, completion_request, gguf_for, llama_stats, parse_completion,
-                                     server_binary, server_command)
+from mirrorsd.apps.bandwidth import Ceiling
+from mirrorsd.apps.bench import BenchOptions, BenchResult, PromptRun, cpu_facts
+from mirrorsd.apps.bench_report import COLUMNS, machine_line, markdown
+from mirrorsd.apps.peers import (PEER_MODES, PeerModels, PeerUnavailableError, assistant_schedule, families,
+                                 peer_stats)
+from mirrorsd.apps.peers_llamacpp import (SERVER_ENV, completion_request, gguf_for, llama_stats, parse_completion,
+                                          server_binary, server_command)
 
 EOS = (7, 9)
 
@@ -119,7 +120,7 @@ def test_a_wrong_llama_server_path_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_missing_openvino_genai_names_the_setup_script(monkeypatch, tmp_path):
-    from mirrorsd.peers import OpenVINOGenAIPeer
+    from mirrorsd.apps.peers import OpenVINOGenAIPeer
 
     monkeypatch.setitem(sys.modules, "openvino_genai", None)
     with pytest.raises(PeerUnavailableError, match="openvino-genai is not installed") as missing:
@@ -181,7 +182,7 @@ def test_bench_runs_openvino_genai_as_a_user_runs_it(tmp_path, tiny_model, monke
     target-only output. Skipped where the peers extra is not installed (bash scripts/setup.sh --peers)."""
     pytest.importorskip("openvino_genai", reason="the [peers] extra is not installed (bash scripts/setup.sh --peers)")
     pytest.importorskip("optimum.intel", reason="the [peers] extra is not installed (bash scripts/setup.sh --peers)")
-    from mirrorsd.bench import run_bench
+    from mirrorsd.apps.bench import run_bench
 
     from test_bench import questions
 
@@ -225,7 +226,7 @@ def test_llama_cpp_server_modes_agree_with_its_target(tmp_path):
     gguf = _cached_gguf()
     if gguf is None:
         pytest.skip("no pinned GGUF in the cache (mirrorsd fetch smollm2-135m --gguf-only)")
-    from mirrorsd.peers_llamacpp import LlamaCppPeer
+    from mirrorsd.apps.peers_llamacpp import LlamaCppPeer
 
     peer = LlamaCppPeer(PeerModels(tmp_path, tmp_path, target_gguf=gguf), (-1,), ["llama-ar", "llama-ngram"])
     try:

@@ -7,7 +7,7 @@
 
 ``mirrorsd bench`` runs the library as the modes c-ar, c-sd, c-mirror (and c-mirror-noexit), beside the Python
 runtime's modes in one run; the tests check its tokens against the Python runtime's. ``kernels`` chooses the
-MatMulNBits kernel as the Python runtime's ``--kernels`` does (auto: mirrorsd's runtime/kernels library when this
+MatMulNBits kernel as the Python runtime's ``--kernels`` does (auto: mirrorsd's devices/kernels library when this
 machine builds and runs it, handed to libmirrorsd as ``kernels_library``; ort: ONNX Runtime's own), so C and Python
 compute the same bits. The structs below mirror
 ``runtime/native/include/mirrorsd.h``; a mismatch is caught by the library's ``struct_size`` checks.
@@ -169,7 +169,7 @@ def kernels_library(kernels: str) -> str | None:
 
     if resolve_kernels(kernels)[0] != MIRRORSD:
         return None
-    from mirrorsd.runtime import kernels as kernel_library
+    from mirrorsd.devices import kernels as kernel_library
 
     return str(kernel_library.usable_library().path)
 
