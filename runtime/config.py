@@ -21,6 +21,10 @@ MODE_CHOICES = (AUTO, *MODES)
 BRANCH_BUDGETS = ("time", "cap")
 DRAFT_FAILURE = ("raise", "fallback")
 DRAFT_TIMEOUT_NEVER_S = 1e9  # a draft_timeout_s at or above this (about 31 years, or inf) waits without a limit
+COUNTS = ("max_new_tokens", "gamma", "branches", "branch_batch", "runner_up_k")  # integers of at least COUNT_MIN
+COUNT_MIN = 1
+# These names, defaults and bounds are libmirrorsd's too: runtime/native/src/settings.hpp is generated from them
+# (python -m mirrorsd.runtime.native.settings), and tests/test_native_settings.py fails when C differs.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +44,7 @@ class MirrorSettings:
         return None if self.draft_timeout_s >= DRAFT_TIMEOUT_NEVER_S else self.draft_timeout_s
 
     def check(self) -> None:
-        for name in ("branches", "branch_batch", "runner_up_k"):
+        for name in COUNTS[2:]:  # branches, branch_batch, runner_up_k
             _check_count(self, name)
         _check_choice(self, "branch_budget", BRANCH_BUDGETS)
         if isinstance(self.draft_timeout_s, bool) or not isinstance(self.draft_timeout_s, (int, float)) or \
@@ -85,7 +89,7 @@ class GenerationConfig(MirrorSettings):
 
     def check(self) -> None:
         _check_choice(self, "mode", MODE_CHOICES)
-        for name in ("max_new_tokens", "gamma"):
+        for name in COUNTS[:2]:  # max_new_tokens, gamma
             _check_count(self, name)
         super().check()
         _check_choice(self, "on_draft_failure", DRAFT_FAILURE)
@@ -100,7 +104,7 @@ class GenerationConfig(MirrorSettings):
 
 def _check_count(config, name: str) -> None:
     value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < COUNT_MIN:
         raise GenerationInputError(f"{name} must be a positive integer, got {value!r}",
                                    "it counts tokens or branches", f"pass {name} >= 1")
 

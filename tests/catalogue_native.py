@@ -36,7 +36,7 @@ HOSTILE = {
     "mode-99": ("23.6", "generate mode 99", ARGUMENT, "Unknown mode 99"),
     "branch-budget-negative": ("23.6", "mirror with branch_budget -1", ARGUMENT, "Unknown branch_budget -1"),
     "exit-head-2": ("23.6", "mirror with exit_head 2", ARGUMENT, "exit_head must be 0 or 1"),
-    "fallback-7": ("23.6", "sd with fallback_on_draft_failure 7", ARGUMENT, "fallback_on_draft_failure must be 0 or 1"),
+    "fallback-7": ("23.6", "sd with on_draft_failure 7", ARGUMENT, "Unknown on_draft_failure 7"),
     "timeout-nan": ("23.6", "mirror with draft_timeout_s NaN", ARGUMENT, "draft_timeout_s must be a positive"),
     "timeout-0": ("23.6", "mirror with draft_timeout_s 0", ARGUMENT, "draft_timeout_s must be a positive"),
     "timeout-negative": ("23.6", "mirror with draft_timeout_s -1", ARGUMENT, "draft_timeout_s must be a positive"),

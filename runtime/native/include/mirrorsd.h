@@ -5,7 +5,7 @@
  *   mirrorsd_open_options_init(&options);                 // auto devices, default threads
  *   if (mirrorsd_open("exports/smollm2", &options, &model) != MIRRORSD_OK) puts(mirrorsd_last_error());
  *   mirrorsd_generate_config config;
- *   mirrorsd_generate_config_init(&config);               // mirror, gamma 4, 4 branches in batches of 2, 128 tokens
+ *   mirrorsd_generate_config_init(&config);               // runtime/config.py's defaults (mode mirror: no auto)
  *   mirrorsd_stats stats;
  *   stats.struct_size = sizeof stats;
  *   mirrorsd_generate(model, prompt_ids, prompt_length, &config, on_token, user_data, &stats);
@@ -44,9 +44,11 @@ extern "C" {
 #endif
 
 /* ABI 2 appended kernels_library to mirrorsd_open_options and target_kernels/draft_kernels to mirrorsd_model_info;
- * mirrorsd_open and mirrorsd_model_get_info still accept ABI 1's struct sizes. ABI 3: mirrorsd_close returns a
- * status (it was void; callers that ignore it keep working), MIRRORSD_ERROR_BUSY, and every numeric option is
- * bounded (see the fields). */
+ * mirrorsd_open and mirrorsd_model_get_info still accept the older struct sizes. ABI 3: mirrorsd_close returns a
+ * status (it was void; callers that ignore it keep working), MIRRORSD_ERROR_BUSY, every numeric option is bounded
+ * (see the fields), the settings carry the Python runtime's names (fallback_on_draft_failure became
+ * on_draft_failure, the same int32 in the same place), and mirrorsd_model_info ends with the thread counts.
+ * Names, defaults and bounds of mirrorsd_generate_config are runtime/config.py's (GenerationConfig). */
 #define MIRRORSD_ABI_VERSION 3
 #define MIRRORSD_MAX_EOS 8
 
@@ -74,6 +76,11 @@ typedef enum mirrorsd_branch_budget {
   MIRRORSD_BUDGET_CAP = 1   /* always roll out `branches` before reading the verdict (deterministic) */
 } mirrorsd_branch_budget;
 
+typedef enum mirrorsd_draft_failure {
+  MIRRORSD_DRAFT_FAILURE_RAISE = 0,   /* a failing draft fails the generation (MIRRORSD_ERROR_DRAFT_WORKER) */
+  MIRRORSD_DRAFT_FAILURE_FALLBACK = 1 /* a failing draft switches to target-only decoding (counted in stats) */
+} mirrorsd_draft_failure;
+
 typedef enum mirrorsd_finish_reason {
   MIRRORSD_FINISH_LENGTH = 0,  /* max_new_tokens reached */
   MIRRORSD_FINISH_EOS = 1,     /* an end-of-sequence token was emitted (it is the last token) */
@@ -96,8 +103,8 @@ typedef struct mirrorsd_open_options {
   uint32_t struct_size;            /* sizeof(mirrorsd_open_options): set by mirrorsd_open_options_init */
   const char* target_device;       /* prefix, exit head and suffix graphs */
   const char* draft_device;        /* the draft graph */
-  int32_t target_threads;          /* intra-op threads per target session: 0 = the default, else 1..cores */
-  int32_t draft_threads;           /* intra-op threads of the draft session: 0 = the default, else 1..cores */
+  int32_t target_threads;          /* intra-op threads per target session: 0 = every core, else 1..cores */
+  int32_t draft_threads;           /* intra-op threads of the draft session: 0 = every core, else 1..cores */
   const char* openvino_ep_library; /* ort-openvino without a built-in OpenVINO EP: path of the OpenVINO plugin EP
                                       library (onnxruntime-ep-openvino); NULL otherwise */
   const char* kernels_library;     /* path of libmirrorsd_kern.so, or NULL / "" for ONNX Runtime's kernel (ABI 2) */
@@ -113,8 +120,7 @@ typedef struct mirrorsd_generate_config {
   int32_t runner_up_k;       /* mirror: the draft's own candidate tokens kept per window position, 1..vocab_size */
   int32_t branch_budget;     /* mirror: mirrorsd_branch_budget */
   int32_t exit_head;         /* mirror: 1 = send the early exit's top-k to the draft worker; 0 = draft runner-ups */
-  int32_t fallback_on_draft_failure; /* 1 = a failing draft switches to target-only decoding (counted in stats);
-                                        0 = the draft's failure is an error */
+  int32_t on_draft_failure;  /* mirrorsd_draft_failure */
   double draft_timeout_s;    /* mirror: the longest wait for the draft worker's window, > 0 seconds; from
                                 MIRRORSD_DRAFT_TIMEOUT_NEVER_S up (or infinity) = no limit */
 } mirrorsd_generate_config;
@@ -170,6 +176,8 @@ typedef struct mirrorsd_model_info {
   char target_kernels[16];        /* MatMulNBits kernel of the target's sessions: "mirrorsd" (kernels_library) when
                                      any of them registered it, else "ort" (ABI 2) */
   char draft_kernels[16];         /* the same for the draft's session (ABI 2) */
+  int32_t target_threads;         /* intra-op threads of each target session (ABI 3) */
+  int32_t draft_threads;          /* intra-op threads of the draft session (ABI 3) */
 } mirrorsd_model_info;
 
 MIRRORSD_API const char* mirrorsd_version(void);

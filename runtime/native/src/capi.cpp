@@ -61,10 +61,19 @@ void check_size(uint32_t given, size_t expected, const char* type) {
 // ABI 1's sizes of the structs ABI 2 grew at their end: a caller built against ABI 1 keeps working.
 constexpr size_t kOpenOptionsV1 = offsetof(mirrorsd_open_options, kernels_library);
 constexpr size_t kModelInfoV1 = offsetof(mirrorsd_model_info, target_kernels);
+constexpr size_t kModelInfoV2 = offsetof(mirrorsd_model_info, target_threads);  // ABI 3 appended the threads
 
-void check_size(uint32_t given, size_t expected, size_t older, const char* type) {
-  if (given != older) check_size(given, expected, type);
+void check_size(uint32_t given, size_t expected, size_t older, const char* type, size_t old = 0) {
+  if (given != older && (old == 0 || given != old)) check_size(given, expected, type);
 }
+
+// The C ABI's enum values are settings.hpp's (generated from runtime/config.py's tuples).
+static_assert(MIRRORSD_MODE_AR == int(mirrorsd::Mode::Ar) && MIRRORSD_MODE_SD == int(mirrorsd::Mode::Sd) &&
+              MIRRORSD_MODE_MIRROR == int(mirrorsd::Mode::Mirror), "modes");
+static_assert(MIRRORSD_BUDGET_TIME == int(mirrorsd::settings::BranchBudget::Time) &&
+              MIRRORSD_BUDGET_CAP == int(mirrorsd::settings::BranchBudget::Cap), "branch budgets");
+static_assert(MIRRORSD_DRAFT_FAILURE_RAISE == int(mirrorsd::settings::OnDraftFailure::Raise) &&
+              MIRRORSD_DRAFT_FAILURE_FALLBACK == int(mirrorsd::settings::OnDraftFailure::Fallback), "draft failure");
 
 std::string kernels_library(const char* path) {
   if (path == nullptr || *path == '\0') return "";
@@ -86,7 +95,7 @@ int threads_or_default(int32_t threads, const char* name) {
   if (threads < 0 || threads > cores)
     invalid(std::string(name) + " " + std::to_string(threads) + " is out of range",
             "this machine gives the process " + std::to_string(cores) + " cores; more threads only queue",
-            "pass 1.." + std::to_string(cores) + ", or 0 for the default");
+            "pass 1.." + std::to_string(cores) + ", or 0 (every core)");
   return threads;
 }
 
@@ -122,9 +131,16 @@ mirrorsd::GenerationConfig engine_config(const mirrorsd_generate_config* c) {
   out.mode = static_cast<mirrorsd::Mode>(c->mode);
   out.max_new_tokens = c->max_new_tokens;
   out.gamma = c->gamma;
-  out.fallback_on_draft_failure = flag(c->fallback_on_draft_failure, "fallback_on_draft_failure");
-  out.mirror = mirrorsd::MirrorSettings{c->branches, c->branch_batch, c->runner_up_k, c->draft_timeout_s,
-                                        c->branch_budget == MIRRORSD_BUDGET_CAP, flag(c->exit_head, "exit_head")};
+  if (c->on_draft_failure != MIRRORSD_DRAFT_FAILURE_RAISE && c->on_draft_failure != MIRRORSD_DRAFT_FAILURE_FALLBACK)
+    invalid("Unknown on_draft_failure " + std::to_string(c->on_draft_failure), "it is 0 (raise) or 1 (fallback)",
+            "pick one");
+  out.on_draft_failure = static_cast<mirrorsd::settings::OnDraftFailure>(c->on_draft_failure);
+  out.mirror.branches = c->branches;
+  out.mirror.branch_batch = c->branch_batch;
+  out.mirror.runner_up_k = c->runner_up_k;
+  out.mirror.branch_budget = static_cast<mirrorsd::settings::BranchBudget>(c->branch_budget);
+  out.mirror.exit_head = flag(c->exit_head, "exit_head");
+  out.mirror.draft_timeout_s = c->draft_timeout_s;
   return out;
 }
 
@@ -175,6 +191,8 @@ void fill_info(mirrorsd_model_info& info, const mirrorsd::Engine& engine) {
   copy_text(info.draft_provider, sizeof info.draft_provider, engine.draft_provider());
   copy_text(info.target_kernels, sizeof info.target_kernels, engine.target_kernels());
   copy_text(info.draft_kernels, sizeof info.draft_kernels, engine.draft_kernels());
+  info.target_threads = engine.target_threads();
+  info.draft_threads = engine.draft_threads();
 }
 
 }  // namespace
@@ -195,15 +213,17 @@ void mirrorsd_generate_config_init(mirrorsd_generate_config* config) {
   if (config == nullptr) return;
   *config = mirrorsd_generate_config{};
   config->struct_size = sizeof(mirrorsd_generate_config);
-  config->mode = MIRRORSD_MODE_MIRROR;  // the defaults of GenerationConfig in runtime/pipeline.py
-  config->max_new_tokens = 128;
-  config->gamma = 4;
-  config->branches = 4;
-  config->branch_batch = 2;
-  config->runner_up_k = 4;
-  config->branch_budget = MIRRORSD_BUDGET_TIME;
-  config->exit_head = 1;
-  config->draft_timeout_s = 120.0;
+  namespace s = mirrorsd::settings;  // runtime/config.py's GenerationConfig() (mode: no auto here)
+  config->mode = static_cast<int32_t>(s::kMode);
+  config->max_new_tokens = s::kMaxNewTokens;
+  config->gamma = s::kGamma;
+  config->branches = s::kBranches;
+  config->branch_batch = s::kBranchBatch;
+  config->runner_up_k = s::kRunnerUpK;
+  config->branch_budget = static_cast<int32_t>(s::kBranchBudget);
+  config->exit_head = s::kExitHead ? 1 : 0;
+  config->on_draft_failure = static_cast<int32_t>(s::kOnDraftFailure);
+  config->draft_timeout_s = s::kDraftTimeoutS;
 }
 
 mirrorsd_status mirrorsd_open(const char* folder, const mirrorsd_open_options* options, mirrorsd_model** model) {
@@ -233,7 +253,7 @@ mirrorsd_status mirrorsd_model_get_info(const mirrorsd_model* model, mirrorsd_mo
     if (info == nullptr) invalid("info is NULL", "the model's description is written into it", "pass &info");
     const std::shared_ptr<mirrorsd::OpenModel> open = mirrorsd::handles().find(model, "mirrorsd_model_get_info");
     const uint32_t size = info->struct_size;
-    check_size(size, sizeof(mirrorsd_model_info), kModelInfoV1, "mirrorsd_model_info");
+    check_size(size, sizeof(mirrorsd_model_info), kModelInfoV1, "mirrorsd_model_info", kModelInfoV2);
     mirrorsd_model_info full{};
     fill_info(full, *open->engine);
     full.struct_size = size;

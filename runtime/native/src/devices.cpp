@@ -112,7 +112,9 @@ int cores() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-int default_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency() / 2)); }
+// Every core for each session, as devices/backends.py's default_threads (os.cpu_count()): ar and sd run one session
+// at a time, and Mirror-SD's two sessions share the cores with spinning off (docs/performance.md).
+int default_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
 
 std::vector<std::string> available_providers() {
   char** names = nullptr;

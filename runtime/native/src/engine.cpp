@@ -56,7 +56,7 @@ void Engine::check_request(const GenerationConfig& config, int64_t prompt_tokens
                                                      gamma + 2;
   const double candidates = (gamma + 1) * (double(config.mirror.runner_up_k) + double(manifest_.top_k));
   const double branch_rows = config.mode == Mode::Mirror
-                                 ? std::min({double(config.mirror.branch_batch), double(config.mirror.max_branches),
+                                 ? std::min({double(config.mirror.branch_batch), double(config.mirror.branches),
                                              candidates})
                                  : 0.0;
   const double rows = 1 + branch_rows;
@@ -77,7 +77,8 @@ void Engine::check_request(const GenerationConfig& config, int64_t prompt_tokens
 }
 
 Engine::Engine(const std::string& folder, const DeviceRequest& target, const DeviceRequest& draft)
-    : env_(environment()), manifest_(load_manifest(folder)) {
+    : env_(environment()), manifest_(load_manifest(folder)), target_threads_(target.threads),
+      draft_threads_(draft.threads) {
   const DeviceRequest placed[] = {
       {resolve_device(target.device, "target"), target.threads, target.openvino_ep_library, target.kernels_library},
       {resolve_device(draft.device, "draft"), draft.threads, draft.openvino_ep_library, draft.kernels_library}};
@@ -130,7 +131,7 @@ Generation Engine::generate(const std::vector<int64_t>& prompt, const Generation
   settings.eos_token_ids = manifest_.eos_token_ids;
   settings.context_limit = context;
   settings.gamma = config.mode == Mode::Ar ? 0 : config.gamma;
-  settings.fallback_on_draft_failure = config.fallback_on_draft_failure;
+  settings.on_draft_failure = config.on_draft_failure;
   target_timeline_.intervals.clear();
   draft_timeline_.intervals.clear();
   Proposer& chosen = proposer(config);

@@ -26,6 +26,7 @@ static mirrorsd_status close_void(mirrorsd_model* model) {
   return MIRRORSD_OK;
 }
 #define CLOSE(model) close_void(model)
+#define on_draft_failure fallback_on_draft_failure /* ABI 3 took the Python runtime's name */
 #endif
 
 typedef struct outcome {
@@ -154,7 +155,7 @@ static outcome generate_set(int mode, enum field which, int32_t value) {
   mirrorsd_generate_config config = config_of(mode);
   int32_t* fields[] = {&config.max_new_tokens, &config.gamma, &config.branches, &config.branch_batch,
                        &config.runner_up_k, &config.mode, &config.branch_budget, &config.exit_head,
-                       &config.fallback_on_draft_failure};
+                       &config.on_draft_failure};
   *fields[which] = value;
   outcome o = generate_with(model, &config);
   CLOSE(model);

@@ -34,7 +34,7 @@ namespace MirrorSD
         public int RunnerUpK;
         public int BranchBudget;
         public int ExitHead;
-        public int FallbackOnDraftFailure;
+        public int OnDraftFailure;  // 0 raise, 1 fallback
         public double DraftTimeoutS;
     }
 
