@@ -3,7 +3,7 @@
     1. write each graph     Stack  -> assembly.write_stack: piece by piece, quantized as it is written
                             Traced -> onnx_writer.write_onnx: traced whole, the model's weights all loaded
     2. validate             each graph module against PyTorch, one ONNX Runtime session at a time; a graph written
-                            quantized is checked in fp32 piece by piece (validate.ChainRunner)
+                            quantized is checked in fp32 piece by piece (chain_runner.ChainRunner)
     3. quantize the rest    graphs written in fp32 that --precision quantizes (traced ones), then the effect of
                             quantization on the model's logits, recorded on the graph that outputs them
 
@@ -151,7 +151,7 @@ def _precision_note(module, job: ModelJob) -> str:
 
 def _validate_and_quantize(job: ModelJob, builds: dict, pieces: Pieces, chained: set, scratch: Path,
                            state: ResumeState, progress) -> dict[str, dict]:
-    from mirrorsd.export import validate
+    from mirrorsd.export import chain_runner, validate
     from mirrorsd.export.graphs.attention import KIND
     from mirrorsd.export.quantize import QUANTIZED, quantize_graph
 
@@ -161,7 +161,7 @@ def _validate_and_quantize(job: ModelJob, builds: dict, pieces: Pieces, chained:
         build = builds[module.ROLE]
         how = " (fp32, piece by piece)" if module.ROLE in chained else ""
         progress(f"validating {module.ROLE} against PyTorch{how}")
-        runner = validate.ChainRunner(build, pieces.fp32(), job.source) if module.ROLE in chained else \
+        runner = chain_runner.ChainRunner(build, pieces.fp32(), job.source) if module.ROLE in chained else \
             validate.FileRunner(scratch / names.graph_file(module.ROLE), build.io.kv)
         checks[module.ROLE] = module.validate(validate.Validation(job.source, runner, job.exit_layer, shared))
         del runner  # one session at a time: a graph's weights leave memory before the next graph's come in

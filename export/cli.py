@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "--exit-profile)")
     flags.add(cut, E, "exit_hits", type=Path, metavar="SWEEP.json",
               help="with --exit-profile and no --exit-layer: pick the exit layer that the latency model predicts "
-                   "fastest for Mirror-SD, from this hit-rate sweep (scripts/exit_layer_sweep.py --json) ...")
+                   "fastest for Mirror-SD, from this hit-rate sweep (mirrorsd-exit-sweep --json) ...")
     flags.add(cut, E, "exit_profile", type=Path, metavar="PROFILE.json",
               help="... and this measured profile of an earlier export of the pair on the machine it will run on "
                    "(`mirrorsd devices --profile --model EXPORT` caches one); recorded in the manifest")

@@ -3,7 +3,7 @@ float32 and quantizing them again (a second rounding on top of the file's own).
 
 MatMulNBits without a zero-point input stores, for each output column n and each block of 32 along K, unsigned codes
 c and one float32 scale s, and means w = (c - 2^(bits-1)) * s. That is also all that mirrorsd's kernels take
-(runtime/kernels: bits 4 or 8, block 32, no zero points), so carried weights change nothing the kernels need for
+(devices/kernels: bits 4 or 8, block 32, no zero points), so carried weights change nothing the kernels need for
 bitwise batch invariance. A GGUF block format maps exactly when its weight is d * (integer) with one fp16 d per
 32 weights; d is exact in float32 and the product rounds the same way as gguf's own dequantization:
 
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mirrorsd.errors import ExportOptionError
+from mirrorsd.names import WEIGHT_BITS
 
 MODES = ("exact", "widen", "requantize")
 BLOCK = 32
@@ -94,12 +95,11 @@ class BlockPlan:
 def block_plan(source, precision: str, mode: str) -> BlockPlan | None:
     """A plan when ``source`` reads a GGUF file and ``precision`` quantizes; else None (nothing to carry)."""
     from mirrorsd.export.checkpoint import GGUFReader
-    from mirrorsd.export.quantize import BITS
 
     weights = getattr(source, "weights", None)
-    if precision not in BITS or weights is None or not isinstance(weights.reader, GGUFReader):
+    if precision not in WEIGHT_BITS or weights is None or not isinstance(weights.reader, GGUFReader):
         return None
-    return BlockPlan(weights, BITS[precision], check_mode(mode))
+    return BlockPlan(weights, WEIGHT_BITS[precision], check_mode(mode))
 
 
 def carried(reader, stored: str, bits: int) -> Carried | None:

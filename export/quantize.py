@@ -15,7 +15,7 @@ MatMulNBits at level 4 computes each row bitwise the same whatever the number of
 turned those rounding differences into whole quantization steps: 0.28 logits on the Qwen target, and sd/mirror
 differed from ar on 2 of 12 prompts (docs/bench/rejected-int8-activation-target). Grouped attention
 (export/graphs/attention.py) keeps every row bitwise invariant, so its targets take the fast path exactly
-(scripts/window_invariance.py, tests/test_batch_invariance.py). A draft's numerics never change the output.
+(scripts/lab/window_invariance.py, tests/test_batch_invariance.py). A draft's numerics never change the output.
 
 Not ``quantize_dynamic``: it scales activations per *tensor*, so a row's result depends on the other rows of the
 batch; a verification window (gamma + 1 rows) would then not reproduce single-row decoding and SD would stop being
@@ -33,11 +33,11 @@ import tempfile
 from pathlib import Path
 
 from mirrorsd.errors import ExportOptionError
-from mirrorsd.names import PRECISIONS
+from mirrorsd.names import PRECISIONS, WEIGHT_BITS
 
 QUANTIZED = ("int8", "int4")  # what quantize_model does; fp16 graphs are traced in fp16 (templates.py)
-BITS = {"int8": 8, "int4": 4}
-BLOCK = 32  # quantization block along K: ENVIRONMENT.md measured int4 block 32 as accurate and fast here
+BITS = WEIGHT_BITS
+BLOCK = 32  # quantization block along K: accurate and fast for these models (docs/platform-notes.md, ONNX Runtime)
 PROTOBUF_LIMIT = 2 * 1024**3 - 64 * 1024**2
 
 
@@ -114,7 +114,7 @@ def fold_weight_identities(graph) -> int:
 
     TorchScript emits such an Identity when one weight feeds two MatMuls (the streaming draft's main head and stream
     head share the LM head). The quantizer only quantizes a MatMul whose weight *is* an initializer, so without
-    this the stream head stayed fp32 (0.54 GB beside the int4 graph for Qwen's 0.5B, read on every forward)."""
+    this the stream head stayed fp32, the largest weight of a streaming draft, read on every forward."""
     initializers = {i.name for i in graph.initializer}
     kept_outputs = {o.name for o in graph.output}
     alias = {n.output[0]: n.input[0] for n in graph.node

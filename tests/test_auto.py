@@ -143,7 +143,8 @@ def test_switching_modes_mid_generation_keeps_parity_with_ar(draft, same_draft, 
 
 def test_replans_to_ar_when_acceptance_collapses(random_draft, pipelines):
     """Told that the draft is perfect, auto starts speculating; its measured speed then falls short, and it
-    re-plans with the acceptance it measured: ar."""
+    re-plans with the acceptance it measured: a strategy without the draft (ar, or ngram where the lookup replay on
+    the text so far predicts copied windows to pay: with these costs a window costs what a row costs)."""
     from dataclasses import replace
 
     pipe = pipelines(random_draft)
@@ -161,8 +162,8 @@ def test_replans_to_ar_when_acceptance_collapses(random_draft, pipelines):
         proposer.close()
     assert outcome.tokens == pipe.generate(PROMPT, GenerationConfig(mode="ar", max_new_tokens=80, chat=False)).tokens
     assert proposer.switches, "no re-plan"
-    assert proposer.strategy.mode == "ar", proposer.report()
-    assert proposer.report()["switches"][0]["new"].startswith("ar")
+    assert proposer.strategy.mode in ("ar", "ngram"), proposer.report()
+    assert proposer.report()["switches"][0]["new"].split()[0] in ("ar", "ngram")
 
 
 # ---- the thread split (runtime/planner/threads.py) -------------------------------------------------------------------

@@ -60,7 +60,7 @@ def test_requantized_with_a_search_stays_exact_in_every_mode(exported, tmp_path,
     for node in onnx.load(str(out / "suffix.onnx")).graph.node:
         if node.op_type == "MatMulNBits":
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-            assert attrs["block_size"] == 32 and len(node.input) == 3  # what runtime/kernels take
+            assert attrs["block_size"] == 32 and len(node.input) == 3  # what devices/kernels take
             bits[attrs["N"] == manifest.target.vocab_size] = attrs["bits"]
     assert bits == {True: head_bits or 4, False: 4}
     modes_agree(out)

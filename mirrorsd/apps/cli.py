@@ -24,11 +24,11 @@ Run an export folder written by mirrorsd-export.
 
 
 SHARED_POOL_HELP = ("run every ONNX Runtime CPU session on one thread pool for the process whose threads spin "
-                    "between calls (devices/thread_pool.py): ar +14 %%, sd +6 %% on the int4 Qwen pair here; no per-"
-                    "session thread split, one thread count per process. Default: off, except that mode auto takes "
+                    "between calls (devices/thread_pool.py), so that the graphs of a step do not wake sleeping "
+                    "threads; no per-session thread split, one thread count per process. Default: off, except that mode auto takes "
                     "it where its cached profile predicts it faster (`mirrorsd devices --profile` measures it); "
                     "--no-shared-pool keeps auto off it too")
-KERNELS_HELP = ("MatMulNBits kernel of ONNX Runtime CPU sessions: mirrorsd (runtime/kernels, the faster), ort (ONNX "
+KERNELS_HELP = ("MatMulNBits kernel of ONNX Runtime CPU sessions: mirrorsd (devices/kernels, the faster), ort (ONNX "
                 "Runtime's), auto (mirrorsd's where it builds and runs). Both keep every mode exact")
 
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(gen, G, "runner_up_k", help="mirror: draft candidates kept per position")
     flags.add(gen, G, "exit_head", "--no-exit-head",
               help="mirror: skip the early-exit head (saves one LM-head pass per step; candidates then come from the "
-                   "draft alone — measured faster on the Qwen pair, see docs/performance.md)")
+                   "draft alone; an untrained exit adds little reuse on small pairs, see docs/performance.md)")
     gen.add_argument("--target-device", default="auto", help="device for the target graphs (see: mirrorsd devices)")
     gen.add_argument("--draft-device", default="auto", help="device for the draft graph")
     gen.add_argument("--static-draft", action="store_true",
@@ -102,9 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "mirror-nostream. The same decoders in C++ (libmirrorsd, runtime/native): c-ar, c-sd, "
                             "c-mirror, c-mirror-noexit. Peers (bash scripts/setup.sh --peers): hf-ar, "
                             "hf-assisted (transformers assisted generation), ov-ar, ov-sd (OpenVINO GenAI "
-                            "speculative decoding), on the export's source models")
+                            "speculative decoding at f32 with the export's weight precisions), ov-user-ar, "
+                            "ov-user-sd, ov-user-sd-conf (OpenVINO GenAI as a user runs it: optimum-cli's int4 "
+                            "defaults, the CPU's default inference precision, a window of --gamma or a confidence "
+                            "threshold), on the export's source models; llama-ar, llama-sd (--model-draft), "
+                            "llama-ngram (n-gram lookup): llama.cpp's server on the GGUF files they came from")
     flags.add(bench, B, "questions", type=Path,
-              help="SpecBench question.jsonl (default: shared/data/spec_bench, or $MIRRORSD_SPEC_BENCH)")
+              help="a SpecBench-shaped question.jsonl (default: $MIRRORSD_SPEC_BENCH, else the copy "
+                   "shipped with mirrorsd)")
     bench.add_argument("--categories", default=",".join(B.categories),
                        help=f"comma-separated SpecBench categories; none: {', '.join(specbench.DEFAULT_CATEGORIES)}")
     flags.add(bench, B, "per_category",
@@ -121,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
               help="HF folder of the target for peer modes (default: the export's source)")
     flags.add(bench, B, "peer_draft", type=Path, help="HF folder of the draft for peer modes (default: the export's "
                                                       "source)")
+    flags.add(bench, B, "peer_target_gguf", type=Path, help="GGUF of the target for the llama-* modes (default: the "
+                                                             "one mirrorsd fetch converted the target folder from)")
+    flags.add(bench, B, "peer_draft_gguf", type=Path, help="GGUF of the draft for llama-sd (default: the one mirrorsd "
+                                                           "fetch converted the draft folder from)")
     flags.add(bench, B, "native_library", "--native-lib", type=Path,
               help="libmirrorsd.so for the c-* modes (default: built with CMake into the mirrorsd cache)")
     flags.add(bench, B, "kernels", choices=KERNEL_CHOICES, help="as for generate")

@@ -88,7 +88,7 @@ def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int
         hits, layers = read_hits(json.loads(Path(hits_file).read_text()), topk, kind)
     except (OSError, ValueError, KeyError) as exc:
         raise ProfileError(f"Cannot read the exit sweep {hits_file}", str(exc),
-                           "pass the --json output of scripts/exit_layer_sweep.py") from None
+                           "pass the --json output of mirrorsd-exit-sweep") from None
     out = []
     for costs, detail in zip(profile.splits, profile.detail or ({},) * len(profile.splits)):
         base = exit_layer or (detail or {}).get("exit_layer")

@@ -8,6 +8,9 @@
               acceptance measured so far in this generation (e.g. acceptance collapsed: drop to ar). If the same
               strategy still wins, the machine is simply slower than profiled: the prediction is scaled to what
               was measured, so that it does not re-plan every 16 steps for nothing
+    lookup    every step the committed text is replayed as mode ngram would have decoded it (planner/lookup.py);
+              every RECHECK_STEPS steps, auto takes ngram when the latency model predicts it LOOKUP_MARGIN faster
+              than the strategy running (code that repeats names, answers that quote their question)
     leave ar  while in ar, the draft is probed every PROBE_STEPS steps on the committed text (planner/ar_probe.py:
               teacher-forced, the target's tokens untouched) and the strategies ranked again with the alpha it
               measured; auto leaves ar when a speculative strategy is predicted LEAVE_MARGIN faster than ar
@@ -18,11 +21,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mirrorsd.runtime.planner.ar_probe import PROBE_STEPS, ArProbe, leave_ar, speculation_can_pay
 from mirrorsd.runtime.planner.latency import Acceptance, Prediction, SplitCosts, Strategy, Table, rank
+from mirrorsd.runtime.planner.lookup import LookupReplay
 from mirrorsd.runtime.rollout import Window
 from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.verify import Verdict
@@ -30,6 +34,7 @@ from mirrorsd.runtime.verify import Verdict
 RECHECK_STEPS = 16  # steps per check of the measured speed against the prediction
 SLACK = 0.10  # re-plan when the measured speed is more than this fraction below the prediction
 MIN_ONLINE_STEPS = 8  # speculative steps before this generation's own acceptance replaces the prior
+LOOKUP_MARGIN = 0.10  # take ngram when predicted this much faster than the running strategy (its replay is young)
 
 
 @dataclass
@@ -43,7 +48,7 @@ class OnlineStats:
     reused: dict = field(default_factory=lambda: {True: 0, False: 0})
 
     def record(self, verdict: Verdict, strategy: Strategy, reused: bool) -> None:
-        if verdict.drafted == 0:
+        if verdict.drafted == 0 or strategy.mode == "ngram":  # copied windows say nothing of the draft
             return
         self.steps += 1
         self.accepted += verdict.accepted
@@ -151,6 +156,8 @@ class AutoProposer:
         self._probing = False
         self._probe_due = False
         self._ar_steps = 0
+        self.replay = LookupReplay(max(costs.max_gamma, 1))  # mode ngram replayed on the committed text
+        self._prompt_tokens = 0
 
     @property
     def strategy(self) -> Strategy:
@@ -161,6 +168,8 @@ class AutoProposer:
         self.sampler = sampler
         self.inner = self._make(self.strategy)
         self.inner.reset(prompt, sampler)
+        self._prompt_tokens = len(prompt)
+        self.replay = LookupReplay(self.replay.max_gamma)
         self._last = 0.0  # set by the first propose: the prefill is no step
         self._probing = self.probe is not None and sampler.plain and speculation_can_pay(self._plan, self.prior)
         if self._probing:
@@ -169,6 +178,8 @@ class AutoProposer:
     def propose(self, committed: list[int], gamma: int) -> Window:
         if not self._last:
             self._last = time.perf_counter()
+            self.replay.start(committed[:self._prompt_tokens], committed[self._prompt_tokens])
+        self.replay.follow(committed)
         if self._probe_due:
             self._probe(committed)
         if self._pending is not None:
@@ -212,8 +223,9 @@ class AutoProposer:
         self._recent = []
         expected = self.current.tokens_per_second * self.scale
         if measured >= (1.0 - SLACK) * expected:
+            self._take_lookup(measured)
             return
-        table = self._plan(self.online.acceptance(self.prior), self.strategy)
+        table = self._plan(self.acceptance(), self.strategy)
         best = table.best
         if best.strategy == self.strategy:
             self.scale = measured / max(best.tokens_per_second, 1e-9)  # a slower machine, the same choice
@@ -223,6 +235,29 @@ class AutoProposer:
         self.switches.append(Switch(self._step, self.strategy.name, best.strategy.name, round(measured, 2),
                                     round(expected, 2), f"measured {measured:.1f} tok/s < {1 - SLACK:.0%} of "
                                                         f"{expected:.1f} predicted; re-planned: " + why(table)))
+        self.table = table
+        self._pending = best
+
+    def acceptance(self) -> Acceptance:
+        """What this generation measured so far (online.acceptance), with its ngram replay."""
+        return replace(self.online.acceptance(self.prior), lookup=self.replay.all_counts())
+
+    def _take_lookup(self, measured: float) -> None:
+        """Switch to ngram when its replay on this text predicts it LOOKUP_MARGIN faster than what runs now (both
+        predicted from the same acceptance and costs)."""
+        if self.strategy.mode == "ngram" or self._pending is not None:
+            return
+        table = self._plan(self.acceptance(), self.strategy)
+        best = table.best_of("ngram")
+        now = next((r for r in table.rows if r.strategy == self.strategy), None)
+        if best is None or best is not table.best or now is None or \
+                best.tokens_per_second < (1 + LOOKUP_MARGIN) * now.tokens_per_second:
+            return
+        counts = table.acceptance.lookup_at(best.strategy.gamma)
+        self.switches.append(Switch(self._step, self.strategy.name, best.strategy.name, round(measured, 2),
+                                    round(best.tokens_per_second, 2),
+                                    f"lookup replay: ngram would have committed {counts.tokens} tokens in "
+                                    f"{counts.steps} steps; re-planned: " + why(table)))
         self.table = table
         self._pending = best
 
@@ -236,7 +271,7 @@ class AutoProposer:
         if alpha is None:
             return
         known = self.online.acceptance(self.prior)  # the probe measures alpha only; reuse stays what was known
-        acceptance = Acceptance(alpha, known.reuse, known.reuse_noexit, "ar probe")
+        acceptance = Acceptance(alpha, known.reuse, known.reuse_noexit, "ar probe", self.replay.all_counts())
         table = self._plan(acceptance, self.strategy)
         best = leave_ar(table)
         if best is None:

@@ -34,10 +34,10 @@ MAX_GAMMA = 6  # widths 1 .. 7 are measured: auto picks gamma in 1 .. MAX_GAMMA
 REPEATS = 7
 TARGET_CONTEXT = 112  # cached tokens under the target's measured windows: a typical prompt plus part of its answer
 # One prompt per SpecBench short-prompt category (mirrorsd/specbench.DEFAULT_CATEGORIES), written for mirrorsd: a
-# pair's acceptance ranges widely between them (Qwen 1.5B + 0.5B int4: alpha ~0.9 on code, ~0.5 on prose), and two
-# prompts covered two of them. Measured over the first 32 tokens of each answer it is still higher than over whole
-# answers (0.84 here, docs/performance.md); generations correct it online. The first prompt also holds the cache
-# under the measured target windows.
+# pair's acceptance ranges widely between them (far higher on code than on prose), and fewer prompts covered only
+# some of them. Measured over the first 32 tokens of each answer it is still higher than over whole answers
+# (docs/profile.md); generations correct it online. The first prompt also holds the cache under the measured target
+# windows.
 CALIBRATION_PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number, then explain how it works.",  # coding
     "Write a short letter to a neighbour asking them to water your plants while you are away.",  # writing
