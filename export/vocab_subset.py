@@ -10,8 +10,9 @@ the subset. What shrinks is the LM head, the largest single weight of a small dr
 
 Which N: the first N ids of ``token_order``, a ranking that needs no corpus:
     1. the tokenizer's added and special tokens (EOS, chat-template markers), always;
-    2. a BPE model's base alphabet (tokens no merge produces), then each merged token by the rank of its merge:
-       BPE training merges the most frequent pair first, so earlier merges are the more frequent tokens;
+    2. a BPE model's base alphabet (one-character tokens no merge produces), then each merged token by the rank
+       of its merge: BPE training merges the most frequent pair first, so earlier merges are the more frequent
+       tokens; then the model's tokens that no merge can produce (padding entries such as "[PAD151935]");
        a Unigram model's pieces by descending score; any other model by id;
     3. ids the tokenizer does not know (padding rows of the embedding) last.
 
@@ -61,7 +62,9 @@ def token_order(tokenizer_json: dict, vocab: int) -> np.ndarray:
         for rank, merge in enumerate(model.get("merges") or []):
             left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
             merged.setdefault(left + right, rank)
-        ranked += [i for _, i in sorted((merged.get(token, -1), i) for token, i in ids.items())]
+        unreachable = len(merged)  # several characters that no merge makes: padding entries ([PAD151935]), ...
+        ranked += [i for _, i in sorted((merged.get(token, -1 if len(token) == 1 else unreachable), i)
+                                        for token, i in ids.items())]
     elif kind == "Unigram" and isinstance(model.get("vocab"), list):
         ranked += [i for _, i in sorted((-float(score), i) for i, (_, score) in enumerate(model["vocab"]))]
     seen = np.zeros(vocab, dtype=bool)

@@ -90,14 +90,17 @@ def test_int4_head_keeps_its_quantized_rows(tmp_path, tiny_model):
 def test_modes_equal_ar_with_a_subset_draft(n, subset_exports, pipelines):
     pipe = pipelines(subset_exports[n])
     subset = set(expected_ids(subset_exports[n], load_manifest(subset_exports[n]).draft.vocab_size, n).tolist())
+    disjoint = 0
     for prompt in PROMPTS:
         ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=24))
+        disjoint += not subset & set(ar.tokens)
         for mode in ("sd", "mirror"):
             out = pipe.generate(prompt, GenerationConfig(mode=mode, max_new_tokens=24, gamma=3, branches=4))
             assert out.tokens == ar.tokens, (n, mode, prompt)
             assert out.stats.drafted > 0
             if not subset & set(ar.tokens):  # the draft can only propose ids that the target never picked here
                 assert out.stats.accepted == 0
+    assert n != 1 or disjoint == len(PROMPTS)  # the one-id draft never agrees: every window is rejected
 
 
 def test_sampling_exact_rule_equals_ar_with_a_subset_draft(subset_exports, pipelines):
@@ -139,10 +142,10 @@ def test_token_order_follows_the_tokenizer():
     tokenizer = {
         "added_tokens": [{"id": 9, "content": "<|eos|>"}, {"id": 1, "content": "<|bos|>"}],
         "model": {"type": "BPE", "vocab": {"a": 0, "<|bos|>": 1, "b": 2, "c": 3, "ab": 4, "abc": 5, "bc": 6,
-                                           "ca": 7, "<|eos|>": 9},
+                                           "ca": 7, "[PAD8]": 8, "<|eos|>": 9},
                   "merges": ["b c", "a b", "ab c", ["c", "a"]]},
     }
-    # added tokens by id; alphabet (no merge makes it) by id; then merges in rank order; unknown ids (8, 10) last
+    # added tokens by id; the alphabet by id; merges in rank order; tokens no merge makes (8); unknown ids (10)
     assert vocab_subset.token_order(tokenizer, 11).tolist() == [1, 9, 0, 2, 3, 6, 4, 5, 7, 8, 10]
     unigram = {"model": {"type": "Unigram", "vocab": [["x", -3.0], ["y", -1.0], ["z", -2.0]]}}
     assert vocab_subset.token_order(unigram, 4).tolist() == [1, 2, 0, 3]
