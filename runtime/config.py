@@ -20,6 +20,7 @@ AUTO = "auto"  # the mode (and its settings) the latency model predicts fastest 
 MODE_CHOICES = (AUTO, *MODES)
 BRANCH_BUDGETS = ("time", "cap")
 DRAFT_FAILURE = ("raise", "fallback")
+DRAFT_TIMEOUT_NEVER_S = 1e9  # a draft_timeout_s at or above this (about 31 years, or inf) waits without a limit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,14 +33,22 @@ class MirrorSettings:
     exit_head: bool = True  # hand the early exit's top-k to the worker (costs one LM-head pass per step)
     draft_timeout_s: float = 120.0  # the main thread gives up on a silent worker after this long
 
+    @property
+    def draft_wait_s(self) -> float | None:
+        """draft_timeout_s as a wait's timeout: None (no limit) from DRAFT_TIMEOUT_NEVER_S up, which the threading
+        module could not hold."""
+        return None if self.draft_timeout_s >= DRAFT_TIMEOUT_NEVER_S else self.draft_timeout_s
+
     def check(self) -> None:
         for name in ("branches", "branch_batch", "runner_up_k"):
             _check_count(self, name)
         _check_choice(self, "branch_budget", BRANCH_BUDGETS)
-        if not isinstance(self.draft_timeout_s, (int, float)) or not self.draft_timeout_s > 0:  # NaN fails too
+        if isinstance(self.draft_timeout_s, bool) or not isinstance(self.draft_timeout_s, (int, float)) or \
+                not self.draft_timeout_s > 0:  # NaN fails too
             raise GenerationInputError(f"draft_timeout_s must be a positive number of seconds, got "
                                        f"{self.draft_timeout_s!r}", "it bounds each wait for the draft worker",
-                                       "pass a value such as 120")
+                                       f"pass a value such as 120, or {DRAFT_TIMEOUT_NEVER_S:g} (or more) for no "
+                                       "limit")
 
 
 @dataclass(frozen=True, kw_only=True)

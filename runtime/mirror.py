@@ -251,7 +251,7 @@ class MirrorProposer:
             self.worker.inbox.put(_Propose(list(committed), gamma))
         self._awaiting_window = False
         try:
-            reply = self.worker.outbox.get(timeout=self.settings.draft_timeout_s)
+            reply = self.worker.outbox.get(timeout=self.settings.draft_wait_s)
         except queue.Empty:
             self._active = False
             raise DraftWorkerError("The draft worker did not deliver a window",
@@ -285,7 +285,7 @@ class MirrorProposer:
         if worker is None:
             return
         worker.inbox.put(_Stop())
-        worker.join(self.settings.draft_timeout_s if timeout is None else timeout)
+        worker.join(self.settings.draft_wait_s if timeout is None else timeout)
         if worker.is_alive():
             self._stuck = worker  # it exits when its call returns (it finds Stop); until then it owns the draft
             raise DraftWorkerError("The draft worker did not stop", "a draft graph call is still running",
@@ -300,7 +300,7 @@ class MirrorProposer:
         """No second worker may touch the draft model while a stuck one may still write to its caches."""
         if self._stuck is None:
             return
-        self._stuck.join(self.settings.draft_timeout_s)
+        self._stuck.join(self.settings.draft_wait_s)
         if self._stuck.is_alive():
             raise DraftWorkerError("The previous draft worker is still inside a draft call",
                                    f"it has not returned for {self.settings.draft_timeout_s:g} s more, and a new "

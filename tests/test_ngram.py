@@ -291,12 +291,10 @@ def test_latency_ranks_ngram_from_its_replay():
 def test_auto_switches_to_ngram_when_its_replay_pays(pipe):
     """Auto told the draft is useless starts (and would stay) in ar; the text runs into a cycle, the replay
     finds that copied windows pay where a window costs what a row costs, and auto switches to ngram. Output = ar's."""
-    from dataclasses import replace
 
     from mirrorsd.runtime.decoder import DecodeSettings, decode
     from mirrorsd.runtime.planner.auto import AutoProposer
     from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts
-    from mirrorsd.runtime.sampling import GREEDY
 
     costs = SplitCosts(target_threads=pipe.threads[0], draft_threads=pipe.threads[1], verify_s=(0.010,) * 7,
                        exit_s=(0.001,) * 7, draft1_s=0.005, branch_fwd_s=0.006, branch_batch=2)
@@ -315,3 +313,21 @@ def test_auto_switches_to_ngram_when_its_replay_pays(pipe):
     assert [s.new.split()[0] for s in proposer.switches][:1] == ["ngram"], proposer.report()
     assert "lookup replay" in proposer.switches[0].reason
     assert outcome.counters.accepted > 0  # copied windows were verified and accepted
+
+
+def test_bench_report_has_lookup_rates_per_category():
+    from types import SimpleNamespace
+
+    from mirrorsd.apps.bench_report import _lookup_lines
+
+    def run(category, mode, steps, windows, drafted, accepted):
+        stats = dict(steps=steps, windows=windows, drafted=drafted, accepted=accepted)
+        return SimpleNamespace(category=category, mode=mode, stats=stats)
+
+    result = SimpleNamespace(runs=[run("coding", "ngram", 10, 4, 12, 6), run("qa", "ngram", 20, 0, 0, 0),
+                                   run("coding", "ar", 30, 0, 0, 0)])
+    lines = _lookup_lines(result, ["coding", "qa"])
+    assert "| coding | 10 | 0.40 | 0.50 | 1.60 |" in lines
+    assert "| qa | 20 | 0.00 | 0.00 | 1.00 |" in lines
+    assert "| all | 30 | 0.13 | 0.50 | 1.20 |" in lines
+    assert _lookup_lines(SimpleNamespace(runs=[run("qa", "ar", 5, 0, 0, 0)]), ["qa"]) == []

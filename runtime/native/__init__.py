@@ -7,7 +7,7 @@
 
 ``mirrorsd bench`` runs the library as the modes c-ar, c-sd, c-mirror (and c-mirror-noexit), beside the Python
 runtime's modes in one run; the tests check its tokens against the Python runtime's. ``kernels`` chooses the
-MatMulNBits kernel as the Python runtime's ``--kernels`` does (auto: mirrorsd's runtime/kernels library when this
+MatMulNBits kernel as the Python runtime's ``--kernels`` does (auto: mirrorsd's devices/kernels library when this
 machine builds and runs it, handed to libmirrorsd as ``kernels_library``; ort: ONNX Runtime's own), so C and Python
 compute the same bits. The structs below mirror
 ``runtime/native/include/mirrorsd.h``; a mismatch is caught by the library's ``struct_size`` checks.
@@ -36,7 +36,7 @@ class NativeLibraryError(MirrorSDError):
 
 
 ERRORS = {1: GenerationInputError, 2: ManifestError, 3: GraphFileError, 4: DeviceError, 5: NativeLibraryError,
-          6: DraftWorkerError, 7: NativeLibraryError}
+          6: DraftWorkerError, 7: NativeLibraryError, 8: GenerationInputError}  # 8: busy (re-entry, close in use)
 
 
 class OpenOptions(ctypes.Structure):
@@ -142,7 +142,7 @@ def load_library(path: Path | str) -> ctypes.CDLL:
                "mirrorsd_model_get_info": (status, [ptr, ctypes.POINTER(ModelInfo)]),
                "mirrorsd_generate": (status, [ptr, p_i64, i32, ctypes.POINTER(GenerateConfig), TOKEN_CALLBACK, ptr,
                                               ctypes.POINTER(Stats)]),
-               "mirrorsd_close": (None, [ptr])}
+               "mirrorsd_close": (status, [ptr])}
     for name, (restype, argtypes) in declare.items():
         function = getattr(lib, name)
         function.restype, function.argtypes = restype, argtypes
@@ -165,7 +165,7 @@ def kernels_library(kernels: str) -> str | None:
 
     if resolve_kernels(kernels)[0] != MIRRORSD:
         return None
-    from mirrorsd.runtime import kernels as kernel_library
+    from mirrorsd.devices import kernels as kernel_library
 
     return str(kernel_library.usable_library().path)
 
@@ -262,7 +262,7 @@ class NativeModel:
 
     def close(self) -> None:
         if self.handle is not None:
-            self.lib.mirrorsd_close(self.handle)
+            raise_for(self.lib, self.lib.mirrorsd_close(self.handle))
             self.handle = None
 
     def __enter__(self) -> "NativeModel":

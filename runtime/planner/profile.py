@@ -171,7 +171,7 @@ def cache_path(folder: Path, placement: dict[str, str]) -> Path:
     digest = hashlib.sha256((folder / MANIFEST_FILE).read_bytes())
     digest.update(json.dumps(sorted(placement.items())).encode())
     if any(KERNELS_MARK in where for where in placement.values()):
-        from mirrorsd.runtime import kernels
+        from mirrorsd.devices import kernels
 
         digest.update(str(kernels.build_id()).encode())
     digest.update(str(folder).encode())

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from mirrorsd.apps.bandwidth import copy_bandwidth
-from mirrorsd.runtime import kernels
+from mirrorsd.devices import kernels
 
 BLOCK = 32
 KERNELS = {"ort-level4": (kernels.ORT_DOMAIN, 4), "ort-level1": (kernels.ORT_DOMAIN, 1),

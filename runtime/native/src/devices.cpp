@@ -3,6 +3,11 @@
 #include <algorithm>
 #include <cctype>
 #include <mutex>
+#include <thread>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 namespace mirrorsd {
 namespace {
@@ -98,6 +103,16 @@ std::string append_openvino(OrtSessionOptions* options, Environment& env, const 
 }
 
 }  // namespace
+
+int cores() {
+#if defined(__linux__)
+  cpu_set_t mask;
+  if (sched_getaffinity(0, sizeof mask, &mask) == 0) return std::max(1, CPU_COUNT(&mask));
+#endif
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+int default_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency() / 2)); }
 
 std::vector<std::string> available_providers() {
   char** names = nullptr;

@@ -47,6 +47,7 @@ class Engine {
 
  private:
   Proposer& proposer(const GenerationConfig& config);
+  void check_request(const GenerationConfig& config, int64_t prompt_tokens) const;
 
   std::shared_ptr<Environment> env_;
   Manifest manifest_;

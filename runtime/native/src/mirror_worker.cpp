@@ -33,6 +33,10 @@ void DraftWorker::join() {
 
 bool DraftWorker::wait_exit(double seconds) {
   std::unique_lock<std::mutex> guard(exit_lock_);
+  if (!(seconds < settings::kDraftTimeoutNeverS)) {  // no limit (see Mailbox::get_for)
+    exited_cv_.wait(guard, [this] { return exited_; });
+    return true;
+  }
   return exited_cv_.wait_for(guard, std::chrono::duration<double>(seconds), [this] { return exited_; });
 }
 

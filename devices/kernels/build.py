@@ -3,7 +3,7 @@
     <cache>/kernels/<hash>/libmirrorsd_kern.so      <cache> = $MIRRORSD_CACHE or ~/.cache/mirrorsd
     <hash> = sha256 of every source and header, the ONNX Runtime version, the compiler's version line, the machine
 
-The compiler line is the one runtime/kernels/CMakeLists.txt describes (each SIMD path's file with its own -m flags,
+The compiler line is the one devices/kernels/CMakeLists.txt describes (each SIMD path's file with its own -m flags,
 cpuid choosing at run time); a plain compiler call keeps the build to what a machine with g++ or clang++ has. The
 library links nothing but libstdc++: ONNX Runtime hands it its API table at registration. Builds happen in a
 private folder and are renamed into place, under a lock, so concurrent processes never see half a library.
@@ -27,7 +27,9 @@ from mirrorsd.weights import default_cache_dir
 
 HERE = Path(__file__).parent
 SOURCES = HERE / "src"
-ORT_HEADERS = HERE.parent / "native" / "third_party" / "onnxruntime" / "include"  # shared with runtime/native
+# ONNX Runtime's C API headers, vendored once beside libmirrorsd (runtime/native); the same relative path in the
+# repository and in an installed copy (mirrorsd/devices/kernels, mirrorsd/runtime/native)
+ORT_HEADERS = HERE.parent.parent / "runtime" / "native" / "third_party" / "onnxruntime" / "include"
 LIBRARY_NAME = "libmirrorsd_kern.so"
 # -O3 unrolls the kernels' fixed-count loops (accumulators in registers); see CMakeLists.txt for every flag
 BASE_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden",
@@ -87,7 +89,7 @@ def library(cache: Path | None = None) -> KernelLibrary:
     if not sys.platform.startswith("linux"):
         raise KernelsUnavailableError(f"mirrorsd kernels are not built on {sys.platform}",
                                       "the on-demand build knows the Linux toolchain only",
-                                      "build runtime/kernels with CMake, or run with ONNX Runtime's kernels")
+                                      "build devices/kernels with CMake, or run with ONNX Runtime's kernels")
     compiler = find_compiler()
     if compiler is None:
         raise KernelsUnavailableError("No C++ compiler found to build the mirrorsd kernels",
