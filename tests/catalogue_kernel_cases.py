@@ -1,4 +1,4 @@
-"""The reliability catalogue's cases for the kernel library's cache (issue 23, item 3): ``mirrorsd generate`` with the
+"""The reliability catalogue's cases for the kernel library's cache: ``mirrorsd generate`` with the
 default ``--kernels auto`` on the tiny fp32 export, its cache holding a damaged library. Handled: exit 0, the tokens
 printed, and one line that says the library was damaged and what happened instead (rebuilt, or ONNX Runtime's
 kernels). The cache and the compiler are the workspace's (tests/kernel_cache_damage.py), never the user's."""

@@ -40,10 +40,13 @@ BASE_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-ffp-contract=off", "-fno-math-errn
               "-fvisibility-inlines-hidden", "-Wall", "-Wextra", "-Wno-maybe-uninitialized")
 # file -> its instruction-set flags; files not named here are built for the baseline CPU
 X86_FILES = {"gemm_avx2.cpp": ("-mavx2", "-mfma"),
-             "gemm_avx512.cpp": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma")}
+             "gemm_avx512.cpp": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"),
+             "gemm_amx.cpp": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mamx-tile",
+                              "-mamx-int8")}
 # the layout of a cache entry (2: with its checksum); entries of another layout are never read
 ENTRY_FORMAT = "2"
-FAST_PATHS = ("avx512vnni", "avx2")  # the paths worth using instead of ONNX Runtime's kernel, fastest first
+FAST_PATHS = ("avx512vnni", "amx", "avx2")  # the paths worth using instead of ONNX Runtime's kernel, in the order
+# the library picks them (amx only when forced: see src/register.cpp)
 
 
 @dataclass(frozen=True)
