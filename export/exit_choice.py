@@ -1,7 +1,7 @@
 """The exit layer the export picks when no ``--exit-layer`` is given but a hit-rate sweep and a profile are:
-the layer the latency model (runtime/exit_layer.py) predicts fastest for Mirror-SD.
+the layer the latency model (runtime/planner/exit_layer.py) predicts fastest for Mirror-SD.
 
-    hits      ``--exit-hits SWEEP.json``: scripts/exit_layer_sweep.py's --json output for this target (the exit's
+    hits      ``--exit-hits SWEEP.json``: mirrorsd-exit-sweep's --json output for this target (the exit's
               top-4 hit rate on the target's final token at each swept layer; the trained adapter's by default)
     costs     ``--exit-profile PROFILE.json``: a measured profile of an earlier export of the same pair on the
               machine it will run on (`mirrorsd devices --profile --model EXPORT`), with prefix times and the exit
@@ -27,10 +27,11 @@ TOPK = 4  # the hit rate the table ranks by: the exit's top-4 (the draft's runne
 def choose_exit_layer(hits_file: Path, profile_file: Path, num_layers: int, kind: str = "trained") -> dict:
     """The exit layer of a target with ``num_layers`` layers that the latency model predicts fastest (see the
     module docstring), with the table behind it."""
-    from mirrorsd import profile as profiles
-    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table, noexit_tokens_per_second, read_hits
+    from mirrorsd.runtime.planner import profile as profiles
+    from mirrorsd.runtime.planner.exit_layer import (exit_layer_table, format_exit_table, noexit_tokens_per_second,
+                                                     read_hits)
 
-    fix = "pass the --json output of scripts/exit_layer_sweep.py for this target, or give --exit-layer L"
+    fix = "pass the --json output of mirrorsd-exit-sweep for this target, or give --exit-layer L"
     try:
         hits, swept = read_hits(json.loads(Path(hits_file).read_text(encoding="utf-8")), TOPK, kind)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

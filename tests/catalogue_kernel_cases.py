@@ -13,7 +13,7 @@ KERNEL_CASES: list[Case] = []
 
 def _damaged_cache_run(how: str, compiler_works: bool):
     def setup(w: Workspace) -> Run:
-        from mirrorsd.runtime import kernels
+        from mirrorsd.devices import kernels
 
         built = kernels.library().path  # the real build, which the stand-in compiler copies
         compiler = copying_compiler(w.root / "bin", built, works=compiler_works)
@@ -21,7 +21,7 @@ def _damaged_cache_run(how: str, compiler_works: bool):
         folder = w.copy("export", "export")
         argv = ["generate", "--model", "export", "--prompt", "Hello", *GEN]
         code = (f"import os, sys\nos.environ.update(MIRRORSD_CACHE={str(w.root / 'cache')!r}, CXX={str(compiler)!r})\n"
-                f"from mirrorsd.cli import main\nsys.exit(main({argv!r}))")
+                f"from mirrorsd.apps.cli import main\nsys.exit(main({argv!r}))")
         return Run(["python", "-c", code], w.root, protect=[folder])
     return setup
 

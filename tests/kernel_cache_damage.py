@@ -41,7 +41,7 @@ def links(compiler: Path) -> int:
 
 def entry(cache: Path, compiler: Path) -> Path:
     """The folder the library built by ``compiler`` lives in, under ``cache``."""
-    from mirrorsd.runtime.kernels.build import build_hash
+    from mirrorsd.devices.kernels.build import build_hash
 
     return cache / "kernels" / build_hash(str(compiler))
 

@@ -10,8 +10,8 @@ from kernel_cache_damage import HOW, copying_compiler, damage, entry, links
 from kernel_graphs import library_or_skip, model_bytes, random_layers, run
 
 from mirrorsd.errors import KernelsUnavailableError
-from mirrorsd.runtime import kernels
-from mirrorsd.runtime.kernels import build
+from mirrorsd.devices import kernels
+from mirrorsd.devices.kernels import build
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -91,7 +91,7 @@ def test_a_cache_it_cannot_write_gives_the_reason_not_an_os_error(built, tmp_pat
 
 def test_a_fresh_build_leaves_a_checksum_that_matches(built):
     stamp = built.with_name(build.LIBRARY_NAME + ".sha256")
-    from mirrorsd.runtime.kernels.cache import digest
+    from mirrorsd.devices.kernels.cache import digest
 
     assert stamp.read_text().strip() == digest(built)
     assert entry(built.parent.parent.parent, build.find_compiler()) == built.parent

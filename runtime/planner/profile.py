@@ -1,0 +1,207 @@
+"""Device profiles: what each graph costs on each device and thread split, as a small JSON file.
+
+A measured profile (``mirrorsd devices --profile --model EXPORT``, runtime/planner/profiling.py) is cached per export
+and device set under ``<cache>/profiles/`` (``<cache>`` = ``$MIRRORSD_CACHE`` or ``~/.cache/mirrorsd``; or
+``$MIRRORSD_PROFILES``). A hand-written one describes a machine we do not have (docs/profiles/*.json,
+``mirrorsd plan --profile FILE``). The schema is documented in docs/profile.md; loading rejects unknown keys and other
+schema versions.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from mirrorsd.errors import ProfileError
+from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts
+
+SCHEMA = "mirrorsd-profile/1"
+CACHE_ENV = "MIRRORSD_PROFILES"  # a folder for cached profiles instead of <cache>/profiles (tests use a tmp one)
+KINDS = ("measured", "hand-written")
+
+
+@dataclass(frozen=True)
+class Profile:
+    kind: str  # "measured" on this machine, or "hand-written" from published numbers (a what-if)
+    machine: str  # in words
+    splits: tuple[SplitCosts, ...]
+    acceptance: Acceptance | None = None  # the pair's calibration (None: not measured)
+    calibration: dict = field(default_factory=dict)  # how acceptance was measured (prompt tokens, gamma, ...)
+    detail: tuple[dict, ...] = ()  # per split: per-graph timings behind the costs (prefix, suffix, host, ...)
+    export: dict = field(default_factory=dict)  # folder, manifest sha256, placement (measured profiles)
+    sources: tuple[str, ...] = ()  # where a hand-written profile's numbers come from
+    notes: tuple[str, ...] = ()
+    created: str = ""
+
+    def split(self, target_threads: int, draft_threads: int, shared_pool: bool = False) -> SplitCosts | None:
+        return next((s for s in self.splits if not s.name and s.key == (target_threads, draft_threads, shared_pool)),
+                    None)
+
+    def with_split(self, costs: SplitCosts, detail: dict) -> "Profile":
+        """This profile with ``costs`` added (replacing a split measured before with the same threads)."""
+        keep = [(s, d) for s, d in zip(self.splits, self.detail or ({},) * len(self.splits))
+                if s.split != costs.split]
+        keep.append((costs, detail))
+        return Profile(**{**self.__dict__, "splits": tuple(s for s, _ in keep), "detail": tuple(d for _, d in keep),
+                          "created": now()})
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, "kind": self.kind, "machine": self.machine, "created": self.created,
+                "export": self.export, "sources": list(self.sources), "notes": list(self.notes),
+                "splits": [{**_costs_json(s), "detail": d}
+                           for s, d in zip(self.splits, self.detail or ({},) * len(self.splits))],
+                "acceptance": None if self.acceptance is None else {
+                    "alpha": self.acceptance.alpha, "reuse": self.acceptance.reuse,
+                    "reuse_noexit": self.acceptance.reuse_noexit, "source": self.acceptance.source},
+                "calibration": self.calibration}
+
+
+def _costs_json(costs: SplitCosts) -> dict:
+    out = {}
+    for f in fields(SplitCosts):
+        value = getattr(costs, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+TOP_KEYS = {"schema", "kind", "machine", "created", "export", "sources", "notes", "splits", "acceptance",
+            "calibration"}
+SPLIT_KEYS = {f.name for f in fields(SplitCosts)} | {"detail"}
+ACCEPTANCE_KEYS = {"alpha", "reuse", "reuse_noexit", "source"}
+
+
+def from_json(data: dict, where: str = "profile") -> Profile:
+    """A Profile from its JSON form; ProfileError on another schema, unknown keys or bad numbers."""
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise ProfileError(f"{where} is not a {SCHEMA} profile", f"its schema is {found!r}",
+                           "re-measure it with `mirrorsd devices --profile --model EXPORT`, or follow "
+                           "docs/profile.md")
+    _keys(data, TOP_KEYS, where)
+    if data.get("kind") not in KINDS:
+        raise ProfileError(f"{where}: kind {data.get('kind')!r} is unknown", f"it is one of {', '.join(KINDS)}",
+                           "fix the file")
+    splits, detail = [], []
+    for i, entry in enumerate(data.get("splits") or []):
+        _keys(entry, SPLIT_KEYS, f"{where} splits[{i}]")
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in entry.items() if k != "detail"}
+        try:
+            costs = SplitCosts(**values)
+        except TypeError as exc:
+            raise ProfileError(f"{where} splits[{i}] is incomplete", str(exc), "see docs/profile.md") from None
+        _check_costs(costs, f"{where} splits[{i}]")
+        splits.append(costs)
+        detail.append(entry.get("detail") or {})
+    if not splits:
+        raise ProfileError(f"{where} has no splits", "a profile needs the costs of at least one thread split",
+                           "see docs/profile.md")
+    acc = data.get("acceptance")
+    acceptance = None
+    if acc is not None:
+        _keys(acc, ACCEPTANCE_KEYS, f"{where} acceptance")
+        acceptance = Acceptance(float(acc["alpha"]), float(acc["reuse"]),
+                                None if acc.get("reuse_noexit") is None else float(acc["reuse_noexit"]),
+                                str(acc.get("source", "profile")))
+    return Profile(kind=data["kind"], machine=str(data.get("machine", "")), splits=tuple(splits),
+                   acceptance=acceptance, calibration=dict(data.get("calibration") or {}), detail=tuple(detail),
+                   export=dict(data.get("export") or {}), sources=tuple(data.get("sources") or ()),
+                   notes=tuple(data.get("notes") or ()), created=str(data.get("created", "")))
+
+
+def _keys(data, allowed: set[str], where: str) -> None:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where} is not an object", f"got {type(data).__name__}", "see docs/profile.md")
+    unknown = set(data) - allowed
+    if unknown:
+        raise ProfileError(f"{where} has unknown keys {sorted(unknown)}", f"the keys are {sorted(allowed)}",
+                           "fix the file, or re-measure it")
+
+
+def _check_costs(costs: SplitCosts, where: str) -> None:
+    times = [*costs.verify_s, *costs.exit_s, costs.draft1_s, costs.branch_fwd_s, *costs.stream_window_s]
+    if len(costs.verify_s) < 2 or len(costs.exit_s) != len(costs.verify_s):
+        raise ProfileError(f"{where}: verify_s and exit_s need one entry per window width 1 .. gamma + 1",
+                           f"got {len(costs.verify_s)} and {len(costs.exit_s)}", "see docs/profile.md")
+    if any(not isinstance(t, (int, float)) or not t >= 0 for t in times) or costs.verify_s[0] <= 0:
+        raise ProfileError(f"{where}: every time must be a number of seconds >= 0", "a step cannot take less",
+                           "fix the file")
+    if costs.prefix_s and (len(costs.prefix_s) != len(costs.verify_s) or any(
+            not isinstance(p, (int, float)) or not 0 <= p <= v for p, v in zip(costs.prefix_s, costs.verify_s))):
+        raise ProfileError(f"{where}: prefix_s needs one time per window width, each within verify_s",
+                           "the prefix is part of the verification", "fix the file, or leave prefix_s out")
+    if not costs.c_target >= 1.0 or not costs.c_draft >= 1.0:
+        raise ProfileError(f"{where}: contention factors are >= 1", "1.0 means no slowdown", "fix the file")
+
+
+def load(path: Path) -> Profile:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"Profile {path} does not exist", "nothing was measured or written there",
+                           "measure one with `mirrorsd devices --profile --model EXPORT`") from None
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"Profile {path} is not JSON", str(exc), "fix or re-measure it") from None
+    return from_json(data, str(path))
+
+
+def save(profile: Profile, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def cache_path(folder: Path, placement: dict[str, str]) -> Path:
+    """Where the measured profile of export ``folder`` on this device set is cached: one file per export (by its
+    manifest's hash) and placement (what runs each graph, kernels included, and for mirrorsd's kernels which build
+    and path: a rebuilt kernel library is measured again); every thread split lives inside, the shared pool's
+    included."""
+    from mirrorsd.devices.placement import KERNELS_MARK, SHARED_POOL_MARK
+    from mirrorsd.names import MANIFEST_FILE
+
+    folder = Path(folder).resolve()
+    # the thread pool is part of the split (SplitCosts.shared_pool), not of the placement: one file holds both
+    placement = {role: where.replace(SHARED_POOL_MARK, "") for role, where in placement.items()}
+    digest = hashlib.sha256((folder / MANIFEST_FILE).read_bytes())
+    digest.update(json.dumps(sorted(placement.items())).encode())
+    if any(KERNELS_MARK in where for where in placement.values()):
+        from mirrorsd.devices import kernels
+
+        digest.update(str(kernels.build_id()).encode())
+    digest.update(str(folder).encode())
+    return cache_root() / f"{folder.name}-{digest.hexdigest()[:16]}.json"
+
+
+def cache_root() -> Path:
+    from mirrorsd.weights import default_cache_dir
+
+    return Path(os.environ[CACHE_ENV]).expanduser() if os.environ.get(CACHE_ENV) else default_cache_dir() / "profiles"
+
+
+def cached_by_devices(folder: Path) -> dict[tuple[str, str], Profile]:
+    """The cached measured profiles of export ``folder``, by the (target, draft) device strings their sessions ran
+    on (as profiling.profile_for records them). A file counts only while its recorded placement still hashes to its
+    own name: the same manifest, folder and kernel build (a stale one is measured again, not ranked)."""
+    folder = Path(folder).resolve()
+    found: dict[tuple[str, str], Profile] = {}
+    for path in sorted(cache_root().glob(f"{folder.name}-*.json")):
+        try:
+            profile = load(path)
+        except ProfileError:
+            continue
+        export = profile.export
+        devices = export.get("devices") or {}
+        if set(devices) == {"target", "draft"} and export.get("folder") == str(folder) and \
+                cache_path(folder, export.get("placement") or {}) == path:
+            found.setdefault((devices["target"], devices["draft"]), profile)
+    return found
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
