@@ -1,4 +1,4 @@
-"""The reliability catalogue: every case of issues 19 and 18 (item 5) that a new, careless or hostile user hit.
+"""The reliability catalogue: every case of issues 19, 18 (item 5) and 23 that a new, careless or hostile user hit.
 
 Each case says what it runs (``setup`` builds the workspace and returns a ``Run``) and what a handled case looks
 like (``exit``, ``says``, ``quiet``, ``check``); tests/catalogue.py runs it and observes the rest (the user's files,
@@ -361,3 +361,6 @@ def _(w):
 def _(w):
     return python_run(w, "import warnings\nwarnings.simplefilter('error')\nfrom mirrorsd.runtime import Pipeline\n"
                          "with Pipeline.load('export') as p:\n    print(len(p.generate([1, 2, 3]).tokens))")
+
+
+import catalogue_cases_round3  # noqa: E402,F401 - registers the cases of round three (caches, trainers, files)
