@@ -1,4 +1,4 @@
-"""Which MatMulNBits kernel ONNX Runtime CPU sessions run: mirrorsd's (runtime/kernels) or ONNX Runtime's own.
+"""Which MatMulNBits kernel ONNX Runtime CPU sessions run: mirrorsd's (devices/kernels) or ONNX Runtime's own.
 
     auto      mirrorsd's when it builds and runs a fast path on this CPU, else ONNX Runtime's (the reason is kept for
               ``mirrorsd devices`` and the generation statistics, not warned: nothing the user asked for was refused)
@@ -8,8 +8,8 @@
 mirrorsd's computes a row's bits the same whatever the number of rows beside it, by construction, on every path.
 ONNX Runtime's does so at accuracy level 4 on the AVX-512 VNNI CPUs measured, not on an AVX2-only one: the pipeline
 measures it at the first speculative generation (devices/ort_kernel_check.py) and refuses sd/mirror where it is not
-(Pipeline.inexact_windows). The two kernels are not bitwise equal to each other, so compare modes within one choice. mirrorsd's is the faster (docs/performance.md: Qwen2.5-Coder 1.5B int4
-target forward 36 vs 47 ms for one row, 44 vs 89 ms for five, 2 threads on a Zen 4 core pair).
+(Pipeline.inexact_windows). The two kernels are not bitwise equal to each other, so compare modes within one
+choice. mirrorsd's is the faster, most of all for several-row windows (docs/lab-notes/performance-log.md, Changes).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def resolve_kernels(asked: str) -> tuple[str, str]:
         raise DeviceError(f"Unknown kernels '{asked}'", f"the choices are {', '.join(CHOICES)}", "pick one")
     if asked == ORT:
         return ORT, ""
-    from mirrorsd.runtime import kernels
+    from mirrorsd.devices import kernels
 
     try:
         kernels.usable_library()  # builds the library once into the cache when it is missing

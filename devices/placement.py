@@ -44,19 +44,18 @@ SYNTAX = "auto, cpu, cuda, dml, openvino:CPU|GPU|NPU, ort-openvino:CPU|GPU|NPU"
 FIXED_SHAPE_KINDS = ("NPU",)  # devices that compile static shapes only
 log = logging.getLogger("mirrorsd.devices")
 
-KERNELS_MARK = "[mirrorsd kernels]"  # in describe(): the profile cache keys on it (mirrorsd/profile.py)
+KERNELS_MARK = "[mirrorsd kernels]"  # in describe(): the profile cache keys on it (runtime/planner/profile.py)
 SHARED_POOL_MARK = " [shared pool]"  # in describe(); the profile cache does not key on it (a split of its own)
 
 
 def auto_skips(label: str, report: DeviceReport) -> str:
     """Devices the auto chain does not pick although they work here (why, or ""). The one place this policy lives.
     Mode auto overrides it from measurements: with cached profiles of the placements (``mirrorsd devices --profile``
-    profiles every one, these included) it loads the one predicted fastest (runtime/auto_placement.py).
+    profiles every one, these included) it loads the one predicted fastest (runtime/planner/placement.py).
 
-    OpenVINO's CPU plugin is skipped on every CPU. On an Intel CPU its memory grew with every new input shape (a
-    2-layer draft: 5.3 GB at 4,000 tokens against 0.18 GB on ONNX Runtime, and 4x slower; issue 19); the bounded
-    runtime cache now keeps it flat, but it is not yet measured as fast as ONNX Runtime, and on AMD EPYC it was
-    1.35-2x slower for the draft (SmolLM2 8 layers: 23.7 vs 17.6 ms/token, 1 thread). Asked for explicitly, it runs.
+    OpenVINO's CPU plugin is skipped on every CPU. Its memory grew with every new input shape (docs/platform-notes.md,
+    OpenVINO); the bounded runtime cache now keeps it flat, but it has not measured as fast as ONNX Runtime for the
+    draft on the CPUs tried (docs/reliability.md, docs/lab-notes/performance-log.md). Asked for explicitly, it runs.
     """
     if label == "openvino:CPU":
         return "auto does not pick OpenVINO's CPU plugin (not measured as fast as ONNX Runtime here; ask for it " \
@@ -78,14 +77,14 @@ class DeviceRequest:
     draft_threads: int | None = None
     static_draft: bool = False  # run the fixed-shape draft graph even where the device does not need it
     # How the OpenVINO CPU plugin computes each model's graphs (ignored elsewhere), measured by
-    # scripts/openvino_target.py (docs/performance.md): the target's is the fastest setting that keeps sd/mirror
-    # equal to ar (stateful, fused attention, f16 cache: 22.8-23.2 decode tok/s vs 18.6-19.4 as exported, Qwen 1.5B
-    # int4, 2 threads); the draft's exactness does not matter and fusing its attention did not make it faster.
+    # scripts/lab/openvino_target.py (docs/lab-notes/performance-log.md, the int4 target on OpenVINO's CPU plugin):
+    # the target's is the fastest setting that keeps sd/mirror equal to ar (stateful, fused attention, f16 cache);
+    # the draft's exactness does not matter and fusing its attention did not make it faster.
     target_openvino: OpenVINOTuning = OpenVINOTuning(attention="fused", stateful=True, kv_precision="f16")
     draft_openvino: OpenVINOTuning = OpenVINOTuning(attention="as-exported")
     kernels: str = AUTO  # MatMulNBits on ONNX Runtime CPU: auto | mirrorsd | ort (devices/kernel_choice.py)
     # Mode auto: take the placement (of the models left on auto) and the thread split (when no threads are given)
-    # that the cached profiles predict fastest (runtime/auto_placement.py, runtime/auto_threads.py)
+    # that the cached profiles predict fastest (runtime/planner/placement.py, runtime/planner/threads.py)
     plan_from_profile: bool = False
     shared_pool: bool | None = None  # the process's one ONNX Runtime CPU pool; None: as devices/thread_pool.resolve
 
@@ -205,7 +204,7 @@ class PlacementPolicy:
                    static_requested: bool = False) -> list[str]:
         """The devices ``requested`` allows for ``model`` here: itself when explicit; for ``auto`` every entry of
         the chain that works here, the ones auto does not pick by default (auto_skips) included: a measured
-        profile decides between them (runtime/auto_placement.py)."""
+        profile decides between them (runtime/planner/placement.py)."""
         if requested.strip().lower() != AUTO:
             return [requested]
         return [label for label in CHAINS[model]

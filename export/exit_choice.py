@@ -1,7 +1,7 @@
 """The exit layer the export picks when no ``--exit-layer`` is given but a hit-rate sweep and a profile are:
-the layer the latency model (runtime/exit_layer.py) predicts fastest for Mirror-SD.
+the layer the latency model (runtime/planner/exit_layer.py) predicts fastest for Mirror-SD.
 
-    hits      ``--exit-hits SWEEP.json``: scripts/exit_layer_sweep.py's --json output for this target (the exit's
+    hits      ``--exit-hits SWEEP.json``: mirrorsd-exit-sweep's --json output for this target (the exit's
               top-4 hit rate on the target's final token at each swept layer; the trained adapter's by default)
     costs     ``--exit-profile PROFILE.json``: a measured profile of an earlier export of the same pair on the
               machine it will run on (`mirrorsd devices --profile --model EXPORT`), with prefix times and the exit
@@ -26,11 +26,11 @@ TOPK = 4  # the hit rate the table ranks by: the exit's top-4 (the draft's runne
 def read_inputs(hits_file: Path, profile_file: Path, kind: str = "trained"):
     """(hits by layer, the swept model's layer count or None, the profile): both files read and checked, before
     the export opens a model (a bad file fails in a second)."""
-    from mirrorsd import profile as profiles
-    from mirrorsd.runtime.exit_layer import read_hits
+    from mirrorsd.runtime.planner import profile as profiles
+    from mirrorsd.runtime.planner.exit_layer import read_hits
     from mirrorsd.user_files import JSON_LIMIT, read_json
 
-    fix = "pass the --json output of scripts/exit_layer_sweep.py for this target, or give --exit-layer L"
+    fix = "pass the --json output of mirrorsd-exit-sweep for this target, or give --exit-layer L"
     fail = lambda why: ExportOptionError(f"Cannot read the exit-layer sweep {hits_file}", why, fix)  # noqa: E731
     try:
         hits, swept = read_hits(read_json(hits_file, JSON_LIMIT, fail), TOPK, kind)
@@ -52,9 +52,9 @@ def read_inputs(hits_file: Path, profile_file: Path, kind: str = "trained"):
 def choose_exit_layer(hits_file: Path, profile_file: Path, num_layers: int, kind: str = "trained") -> dict:
     """The exit layer of a target with ``num_layers`` layers that the latency model predicts fastest (see the
     module docstring), with the table behind it."""
-    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table, noexit_tokens_per_second
+    from mirrorsd.runtime.planner.exit_layer import exit_layer_table, format_exit_table, noexit_tokens_per_second
 
-    fix = "pass the --json output of scripts/exit_layer_sweep.py for this target, or give --exit-layer L"
+    fix = "pass the --json output of mirrorsd-exit-sweep for this target, or give --exit-layer L"
     hits, swept, profile = read_inputs(hits_file, profile_file, kind)
     if swept is not None and swept != num_layers:
         raise ExportOptionError(f"The sweep {hits_file} is of a {swept}-layer model",

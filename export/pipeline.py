@@ -20,6 +20,7 @@ from mirrorsd.manifest import SCHEMA_VERSION, GraphSpec, Manifest, TokenizerInfo
 from mirrorsd.export.graphs import draft as draft_graph, draft_static, exit_head, prefix, suffix
 from mirrorsd.export.graphs import attention
 from mirrorsd.export.options import DEFAULT_TOP_K, ExportOptions
+from mirrorsd.export.gguf_blocks import check_mode
 from mirrorsd.export.quantize import check_precision
 from mirrorsd.export.streaming import graph as streaming_graph
 from mirrorsd.output_folder import EXPORT, StagedFolder, check_output
@@ -50,6 +51,7 @@ def export(options: ExportOptions, progress: Callable[[str], None] = lambda step
     _check_max_context(options, None)
     check_precision(options.target_precision, "--target-precision")
     check_precision(options.draft_precision, "--draft-precision")
+    check_mode(options.gguf_blocks)
     _check_fp16(options, None)
     if options.exit_layer is None and options.exit_hits is not None and options.exit_profile is not None:
         from mirrorsd.export.exit_choice import read_inputs
@@ -82,9 +84,9 @@ def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_lay
     state = open_state(scratch, _fingerprint(options, target, draft))
     optional = _optional_graphs(options, draft) + ((streaming,) if streaming else ())
     jobs = (ModelJob("target", target, TARGET_GRAPHS, options.target_precision, exit_layer, options.top_k,
-                     options.whole_graphs),
+                     options.whole_graphs, options.gguf_blocks),
             ModelJob("draft", draft, DRAFT_GRAPHS + optional, options.draft_precision, exit_layer, options.top_k,
-                     options.whole_graphs))
+                     options.whole_graphs, options.gguf_blocks))
     graphs = {}
     for job in jobs:
         for role, (module, build, validation) in run_job(job, scratch, state, progress, on_layer).items():

@@ -1,7 +1,9 @@
 """mirrorsd: Mirror Speculative Decoding for on-device LLM inference on ONNX Runtime and OpenVINO.
 
-Subpackages: ``mirrorsd.export`` (torch-based exporter), ``mirrorsd.runtime`` (decoding on ONNX graphs, no torch),
-``mirrorsd.devices`` (probing and placement). This package holds what all share: the manifest, errors and CLI.
+Subpackages: ``mirrorsd.export`` (torch-based exporter), ``mirrorsd.runtime`` (decoding on ONNX graphs, no torch;
+its planner for mode auto in ``mirrorsd.runtime.planner``), ``mirrorsd.devices`` (probing and placement) and
+``mirrorsd.apps`` (the CLI, plan, bench and peers). This package's own modules hold the contracts all share: errors,
+names, the manifest, the ONNX wire format, flags, output folders, weights and the SpecBench questions.
 """
 from mirrorsd.errors import MirrorSDError
 

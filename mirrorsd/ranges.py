@@ -47,10 +47,18 @@ def check(options, table: dict[str, Range], error: type[MirrorSDError]) -> None:
                     f"pass {flag(name)} {allowed.words()}, or leave it out (its default)")
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def threads() -> Range:
     """Threads of a session or of torch: 1 .. the cores this process may run on."""
-    from mirrorsd.runtime.limits import cores
-
     return Range(1, cores())
 
 

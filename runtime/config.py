@@ -13,8 +13,10 @@ from dataclasses import dataclass, fields
 from mirrorsd.errors import GenerationInputError
 from mirrorsd.runtime.sampling import RULES
 
-MODES = ("ar", "sd", "mirror")  # target only; draft then verify; draft branches while the target verifies
-AUTO = "auto"  # the mode (and its settings) the latency model predicts fastest here (runtime/auto.py)
+MODES = ("ar", "sd", "mirror", "ngram")  # target only; draft then verify; draft branches while the target verifies;
+#                                         windows copied from earlier text (prompt lookup, runtime/ngram.py)
+NGRAM_MAX = 16  # longest suffix n-gram a lookup may match
+AUTO = "auto"  # the mode (and its settings) the latency model predicts fastest here (runtime/planner/auto.py)
 MODE_CHOICES = (AUTO, *MODES)
 BRANCH_BUDGETS = ("time", "cap")
 DRAFT_FAILURE = ("raise", "fallback")
@@ -62,6 +64,9 @@ class GenerationConfig(MirrorSettings):
     seed: int | None = None  # None: a fresh seed, reported in GenerationResult.sampling (the same seed = same tokens)
     verify: str = "exact"  # sd/mirror at T > 0: "exact" (target draws, draft must match) or "residual" (p/q rule)
     streaming: bool = True  # sd/mirror: draft with the export's streaming draft (draft_streaming) when it has one
+    ngram: bool = False  # sd: the draft checks a prompt-lookup guess as lookahead (same windows, fewer forwards)
+    ngram_min: int = 2  # ngram, sd --ngram: the shortest earlier n-gram a lookup matches ...
+    ngram_max: int = 4  # ... and the longest, tried first
 
     @property
     def mirror(self) -> MirrorSettings:
@@ -75,6 +80,12 @@ class GenerationConfig(MirrorSettings):
         super().check()
         _check_choice(self, "on_draft_failure", DRAFT_FAILURE)
         _check_choice(self, "verify", tuple(RULES))
+        for name in ("ngram_min", "ngram_max"):
+            _check_count(self, name)
+        if not self.ngram_min <= self.ngram_max <= NGRAM_MAX:
+            raise GenerationInputError(f"ngram_min {self.ngram_min} and ngram_max {self.ngram_max} are out of order "
+                                       f"or too long", "a lookup tries suffixes from ngram_max down to ngram_min",
+                                       f"pass 1 <= ngram_min <= ngram_max <= {NGRAM_MAX} (defaults 2 and 4)")
 
 
 def _check_count(config, name: str) -> None:

@@ -20,14 +20,16 @@ from typing import Callable
 from mirrorsd import names
 from mirrorsd.errors import DeviceError, GenerationInputError, ManifestError
 from mirrorsd.manifest import Manifest, load_manifest
-from mirrorsd.runtime import auto_threads, limits
-from mirrorsd.runtime.ar_probe import ArProbe
-from mirrorsd.runtime.auto import AutoProposer, blend, running_weight
+from mirrorsd.runtime import limits
+from mirrorsd.runtime.planner import threads as auto_threads
+from mirrorsd.runtime.planner.ar_probe import ArProbe
+from mirrorsd.runtime.planner.auto import AutoProposer, blend, running_weight
 from mirrorsd.runtime.config import AUTO, GenerationConfig
-from mirrorsd.runtime.latency import Strategy, split_name
+from mirrorsd.runtime.planner.latency import Strategy, split_name
 from mirrorsd.runtime.decoder import DecodeSettings, decode
 from mirrorsd.runtime.mirror import MirrorProposer
 from mirrorsd.runtime.models import TargetModel
+from mirrorsd.runtime.ngram import NgramIndex, NgramProposer, NgramSettings
 from mirrorsd.runtime.proposers import SerialDraft, TargetOnly
 from mirrorsd.runtime.sampling import Sampler, SamplingParams
 from mirrorsd.user_files import resolved
@@ -68,7 +70,7 @@ class Pipeline:
         self._lock = threading.Lock()  # one generation at a time per pipeline: calls from two threads serialize
         self.target_timeline = sessions[names.PREFIX].timeline
         self.draft_timeline = sessions[names.DRAFT].timeline
-        self._profile = None  # mode auto: this export's measured profile (runtime/profiling.py), loaded once
+        self._profile = None  # mode auto: this export's measured profile (runtime/planner/profiling.py), loaded once
         self._acceptance = None  # mode auto: the acceptance the last generations measured (else the profile's)
         self._measured_generations = 0  # mode auto: generations whose acceptance went into _acceptance
         self.thread_choice = auto_threads.default(threads, "threads not planned (DeviceRequest.plan_from_profile off)",
@@ -78,7 +80,7 @@ class Pipeline:
     @classmethod
     def load(cls, folder: str | os.PathLike, devices=None) -> "Pipeline":
         """Open every graph of export ``folder`` as ``devices`` asks. With ``devices.plan_from_profile`` and no threads
-        given, the sessions get the thread split the cached profile predicts fastest (runtime/auto_threads.py):
+        given, the sessions get the thread split the cached profile predicts fastest (runtime/planner/threads.py):
         they open with the default, and reopen when the profile says another split (a second load)."""
         from mirrorsd.devices.backends import default_threads
         from mirrorsd.devices.placement import DeviceRequest
@@ -130,7 +132,7 @@ class Pipeline:
     def placement_profiles(self, devices) -> dict:
         """(target, draft) device pair -> its cached profile or None, for every pair ``devices`` allows here (this
         pipeline's own pair first); nothing is measured."""
-        from mirrorsd import profile as profiles
+        from mirrorsd.runtime.planner import profile as profiles
         from mirrorsd.devices.placement import placement_candidates
 
         cached = profiles.cached_by_devices(self.folder)
@@ -141,10 +143,10 @@ class Pipeline:
     def planned_request(self, devices, found: dict | None = None):
         """(the DeviceRequest to reopen with, or None to keep this pipeline; the PlacementChoice): the placement
         and thread split the cached profiles of this export (``found``: placement_profiles) predict fastest
-        (runtime/auto_placement.py), among the devices ``devices`` allows here; nothing is measured."""
+        (runtime/planner/placement.py), among the devices ``devices`` allows here; nothing is measured."""
         from mirrorsd.devices import thread_pool
-        from mirrorsd.runtime.auto_placement import choose_placement
-        from mirrorsd.runtime.auto_threads import SplitRule
+        from mirrorsd.runtime.planner.placement import choose_placement
+        from mirrorsd.runtime.planner.threads import SplitRule
 
         found = self.placement_profiles(devices) if found is None else found
         chain_pick = self.device_pair
@@ -192,8 +194,8 @@ class Pipeline:
 
     def cached_profile(self):
         """The cached profile of this export and placement, or None (none yet, or unreadable: measured again)."""
-        from mirrorsd import profile as profiles
-        from mirrorsd.runtime.profiling import cached
+        from mirrorsd.runtime.planner import profile as profiles
+        from mirrorsd.runtime.planner.profiling import cached
 
         return cached(profiles.cache_path(self.folder, {role: p.describe() for role, p in self.placements.items()}))
 
@@ -302,17 +304,18 @@ class Pipeline:
                                   pad if pad is not None else 0)
 
     def profile(self, progress: bool = False, refresh: bool = False):
-        """This export's profile on this device set and thread split (mirrorsd/profile.py): from the cache, else
+        """This export's profile on this device set and thread split (runtime/planner/profile.py): from the cache, else
         measured now (seconds to a minute) and cached. Mode auto plans from it."""
-        from mirrorsd.runtime.profiling import profile_for
+        from mirrorsd.runtime.planner.profiling import profile_for
 
         if self._profile is None or refresh or self._profile.split(*self.thread_key) is None:
             self._profile = profile_for(self, progress, refresh)
         return self._profile
 
     def use_profile(self, profile) -> None:
-        """Plan mode auto from ``profile`` (a mirrorsd.profile.Profile holding a split with this pipeline's threads)
-        instead of the measured one: a what-if, or a test that fixes the costs and keeps the measured acceptance."""
+        """Plan mode auto from ``profile`` (a runtime/planner/profile.py Profile holding a split with this pipeline's
+        threads) instead of the measured one: a what-if, or a test that fixes the costs and keeps the measured
+        acceptance."""
         if profile.split(*self.thread_key) is None:
             from mirrorsd.errors import ProfileError
 
@@ -375,10 +378,13 @@ class Pipeline:
     def _proposer(self, config: GenerationConfig):
         if config.mode == "ar":
             return TargetOnly()
+        lookup = NgramSettings(config.ngram_min, config.ngram_max)
+        if config.mode == "ngram":
+            return NgramProposer(self.manifest.target.vocab_size, lookup)
         streaming = self.streaming_draft if config.streaming else None
         draft, lookahead = (streaming, True) if streaming else (self.draft, False)  # the streams are lookahead
         if config.mode == "sd":
-            return SerialDraft(draft, lookahead)
+            return SerialDraft(draft, lookahead, NgramIndex(lookup) if config.ngram else None)
         settings = config.mirror
         if self._mirror is None or self._mirror.settings != settings or self._mirror.draft is not draft:
             if self._mirror is not None:

@@ -59,12 +59,14 @@ class TargetOnly:
 
 class SerialDraft(TargetOnly):
     """Vanilla speculative decoding: after each verdict the draft rolls out the next window, then the target.
-    ``lookahead``: the draft is a streaming one (runtime/streaming.py); the same windows in fewer forwards."""
+    ``lookahead``: the draft is a streaming one (runtime/streaming.py); the same windows in fewer forwards.
+    ``lookup``: a prompt-lookup index (runtime/ngram.py) whose continuation the draft checks as lookahead in its
+    first forward: again the same windows, in fewer forwards where the text repeats."""
 
     mode = "sd"
 
-    def __init__(self, draft: DraftModel, lookahead: bool = False) -> None:
-        self.draft, self.lookahead = draft, lookahead
+    def __init__(self, draft: DraftModel, lookahead: bool = False, lookup=None) -> None:
+        self.draft, self.lookahead, self.lookup = draft, lookahead, lookup
         self.sampler = GREEDY
 
     def reset(self, prompt: list[int], sampler: Sampler = GREEDY) -> None:
@@ -72,10 +74,16 @@ class SerialDraft(TargetOnly):
         if not (held and held == prompt[:len(held)]):  # a cache holding a prefix of this text is kept: e.g. mode
             self.draft.reset(capacity=len(prompt) + 64)  # auto's ar probe read the text, and sd starts from there
         self.sampler = sampler
+        if self.lookup is not None:
+            self.lookup.sync(prompt)
 
     def propose(self, committed: list[int], gamma: int) -> Window:
+        guess = None
+        if self.lookup is not None:
+            self.lookup.sync(committed)
+            guess = self.lookup.lookup(gamma - 1)  # the last window token is picked, never fed
         try:
-            return fresh(self.draft, committed, gamma, self.sampler, lookahead=self.lookahead)
+            return fresh(self.draft, committed, gamma, self.sampler, lookahead=self.lookahead, guess=guess)
         except Exception as exc:  # as in mirror: a draft failure is a DraftWorkerError, which on_draft_failure handles
             raise DraftWorkerError("The draft model failed", f"{type(exc).__name__}: {exc}",
                                    "see the chained exception; the target itself is unaffected") from exc

@@ -90,15 +90,17 @@ class _Row:
 
 
 def fresh(draft: DraftModel, committed: list[int], gamma: int, sampler: Sampler = GREEDY, top_k: int = 0,
-          lookahead: bool = False) -> Window:
+          lookahead: bool = False, guess: list[int] | None = None) -> Window:
     """Roll the draft's main cache back to ``committed``, then draft ``gamma`` tokens after it. The cache ends
-    holding committed + window[:-1] (the last token is not fed)."""
+    holding committed + window[:-1] (the last token is not fed). ``guess``: tokens expected to follow ``committed``
+    (prompt lookup, ngram.py), fed as the first forward's lookahead: the window is the same, the forwards fewer
+    where the draft's picks confirm the guess."""
     pending = draft.sync_to(committed)
     if not pending:  # everything is cached: feed the last committed token again for its logits
         draft.truncate(len(committed) - 1)
         pending = committed[-1:]
     start = draft.cache.length
-    row = _Row(list(pending), start, list(committed) if sampler.needs_context else None)
+    row = _Row(list(pending), start, list(committed) if sampler.needs_context else None, list(guess or []))
     mask = np.ones((1, start), np.int64)  # [1, length]
     window, = _advance(draft, draft.cache, mask, [row], gamma, sampler, top_k, lookahead, True, None)
     draft.holds(start, [*pending, *window.tokens[:-1].tolist()])

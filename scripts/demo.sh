@@ -17,7 +17,7 @@ if [[ "${1:-}" == "--small" ]]; then
     shift
 fi
 if [[ $SMALL == 1 ]]; then
-    GGUF=$("$PY" -m mirrorsd.cli fetch smollm2-135m --gguf-only | tail -n 1)
+    GGUF=$("$PY" -m mirrorsd fetch smollm2-135m --gguf-only | tail -n 1)
     OUT=${MIRRORSD_DEMO_DIR:-exports/smollm2}
     if [ ! -f "$OUT/mirrorsd.json" ]; then
         "$PY" -m mirrorsd.export.cli --model "$GGUF" --output "$OUT" --draft-layers 24 --force
@@ -32,6 +32,6 @@ else
     PROMPT=${1:-Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.}
 fi
 echo "== default mode (auto: the fastest exact strategy the latency model predicts here; streamed as it is generated)"
-"$PY" -m mirrorsd.cli generate --model "$OUT" --max-new-tokens 96 --prompt "$PROMPT"
+"$PY" -m mirrorsd generate --model "$OUT" --max-new-tokens 96 --prompt "$PROMPT"
 echo "== target only (ar), for comparison: the same tokens"
-"$PY" -m mirrorsd.cli generate --model "$OUT" --mode ar --max-new-tokens 96 --prompt "$PROMPT"
+"$PY" -m mirrorsd generate --model "$OUT" --mode ar --max-new-tokens 96 --prompt "$PROMPT"

@@ -7,7 +7,7 @@ command in a subprocess (the real CLI, or a few lines of Python) and observes:
     vanished, scratch folders left behind (``.NAME.partial-*``, ``.NAME.replaced-*``), and a hard stop by timeout
 
 ``Outcome.problems(case)`` lists what is wrong with an outcome (empty = the case is handled); the tests assert it is
-empty, and ``scripts/reliability_table.py`` prints outcomes as the docs table (run it on an older checkout for the
+empty, and ``scripts/lab/reliability_table.py`` prints outcomes as the docs table (run it on an older checkout for the
 "before" column). Cases live in ``catalogue_cases.py``.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-TOOLS = {"mirrorsd": "mirrorsd.cli", "mirrorsd-export": "mirrorsd.export.cli",
+TOOLS = {"mirrorsd": "mirrorsd.apps.cli", "mirrorsd-export": "mirrorsd.export.cli",
          "mirrorsd-train-draft": "mirrorsd.export.streaming.cli", "mirrorsd-train-exit": "mirrorsd.export.early_exit.cli"}
 MEMORY_LIMIT = 8 * 2**30  # address space of a case's process: a hostile case must fail, not take the machine
 LEFTOVER = re.compile(r"^\.[^/]+\.(partial|replaced)-")
@@ -53,7 +53,7 @@ class Run:
 @dataclass(frozen=True)
 class Case:
     id: str
-    issue: str  # where the case comes from, e.g. "19.1" (issue 19, item 1)
+    issue: str  # the case's reference in the docs/reliability.md table (its "issue" column), e.g. "19.1"
     what: str  # the case in a few words, for the table
     setup: Callable[["Workspace"], Run]
     exit: str = "error"  # "error": a non-zero exit with one what/why/fix line | "ok": exit 0 | "terminated"

@@ -1,4 +1,4 @@
-"""The reliability catalogue: every case of issues 19, 18 (item 5) and 23 that a new, careless or hostile user hit.
+"""The reliability catalogue: every recorded case of a new, careless or hostile user meeting a mirrorsd command.
 
 Each case says what it runs (``setup`` builds the workspace and returns a ``Run``) and what a handled case looks
 like (``exit``, ``says``, ``quiet``, ``check``); tests/catalogue.py runs it and observes the rest (the user's files,

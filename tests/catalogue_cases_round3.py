@@ -1,6 +1,5 @@
 """The reliability catalogue, round three: caches that are never trusted blindly, user-named files read with a cap,
-trainers that check every flag before they work, and values no run can mean (registered into catalogue_cases.CASES;
-the ``issue`` column says "23.N", the item of the probe each case comes from).
+trainers that check every flag before they work, and values no run can mean (registered into catalogue_cases.CASES).
 
 Every case that touches profiles points ``$MIRRORSD_PROFILES`` at a folder of its workspace, so no case reads or
 writes the user's own cache.

@@ -74,7 +74,7 @@ def native_build(tmp_path_factory):
 
     if shutil.which("cmake") is None or (shutil.which("c++") or shutil.which("g++")) is None:
         pytest.skip("no C++ compiler: cmake and a C++17 compiler are needed to build libmirrorsd (runtime/native)")
-    from mirrorsd.native import LIBRARY_NAME, cmake_build
+    from mirrorsd.runtime.native import LIBRARY_NAME, cmake_build
 
     out = cmake_build(Path(__file__).resolve().parent.parent / "samples" / "cpp", tmp_path_factory.mktemp("native"))
     return SimpleNamespace(folder=out, library=out / "mirrorsd" / LIBRARY_NAME, cli=out / "mirrorsd_cli",
@@ -84,7 +84,7 @@ def native_build(tmp_path_factory):
 @pytest.fixture(scope="session")
 def native_models(native_build):
     """native_models(folder) -> a NativeModel (libmirrorsd) on that export folder, shared and closed at the end."""
-    from mirrorsd.native import NativeModel
+    from mirrorsd.runtime.native import NativeModel
 
     opened: dict = {}
 

@@ -17,10 +17,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for mirrorsd.native's structs
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for mirrorsd.runtime.native's structs
 
-from mirrorsd.native import (TOKEN_CALLBACK, GenerateConfig, ModelInfo, OpenOptions, Stats,  # noqa: E402
-                             load_library)
+from mirrorsd.runtime.native import (TOKEN_CALLBACK, GenerateConfig, ModelInfo, OpenOptions, Stats,  # noqa: E402
+                                     load_library)
 
 
 def external_graph(location: str, nested: bool) -> bytes:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mirrorsd.runtime import GenerationConfig
-from mirrorsd.runtime.auto import AutoProposer
+from mirrorsd.runtime.planner.auto import AutoProposer
 from mirrorsd.runtime.decoder import DecodeSettings, decode
-from mirrorsd.runtime.latency import Strategy
+from mirrorsd.runtime.planner.latency import Strategy
 from mirrorsd.runtime.sampling import GREEDY
 
 PROMPT = "def add(a, b):"
@@ -59,7 +59,7 @@ def with_costs(pipe, **costs):
     speculation within noise of each other; fixing the costs makes the choice depend on the acceptance only."""
     from dataclasses import replace
 
-    from mirrorsd.runtime.latency import SplitCosts
+    from mirrorsd.runtime.planner.latency import SplitCosts
 
     measured = pipe.profile()
     split = SplitCosts(target_threads=pipe.threads[0], draft_threads=pipe.threads[1], verify_s=(0.010,) * 7,
@@ -143,7 +143,8 @@ def test_switching_modes_mid_generation_keeps_parity_with_ar(draft, same_draft, 
 
 def test_replans_to_ar_when_acceptance_collapses(random_draft, pipelines):
     """Told that the draft is perfect, auto starts speculating; its measured speed then falls short, and it
-    re-plans with the acceptance it measured: ar."""
+    re-plans with the acceptance it measured: a strategy without the draft (ar, or ngram where the lookup replay on
+    the text so far predicts copied windows to pay: with these costs a window costs what a row costs)."""
     from dataclasses import replace
 
     pipe = pipelines(random_draft)
@@ -161,13 +162,13 @@ def test_replans_to_ar_when_acceptance_collapses(random_draft, pipelines):
         proposer.close()
     assert outcome.tokens == pipe.generate(PROMPT, GenerationConfig(mode="ar", max_new_tokens=80, chat=False)).tokens
     assert proposer.switches, "no re-plan"
-    assert proposer.strategy.mode == "ar", proposer.report()
-    assert proposer.report()["switches"][0]["new"].startswith("ar")
+    assert proposer.strategy.mode in ("ar", "ngram"), proposer.report()
+    assert proposer.report()["switches"][0]["new"].split()[0] in ("ar", "ngram")
 
 
-# ---- the thread split (runtime/auto_threads.py) -------------------------------------------------------------------
+# ---- the thread split (runtime/planner/threads.py) -------------------------------------------------------------------
 def split_costs(t: int, d: int, verify: float, draft1: float, contention: float = 1.0):
-    from mirrorsd.runtime.latency import SplitCosts
+    from mirrorsd.runtime.planner.latency import SplitCosts
 
     return SplitCosts(target_threads=t, draft_threads=d, verify_s=(verify,) * 7, exit_s=(0.001,) * 7,
                       draft1_s=draft1, branch_fwd_s=1.2 * draft1, branch_batch=2, c_target=contention,
@@ -177,10 +178,10 @@ def split_costs(t: int, d: int, verify: float, draft1: float, contention: float 
 def cache_profile(folder, splits, alpha: float):
     """A profile with ``splits`` in the cache of ``folder`` on this machine's placement (what `mirrorsd devices
     --profile` would have written), with a fixed acceptance."""
-    from mirrorsd import profile as profiles
+    from mirrorsd.runtime.planner import profile as profiles
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import Pipeline
-    from mirrorsd.runtime.latency import Acceptance
+    from mirrorsd.runtime.planner.latency import Acceptance
 
     with Pipeline.load(folder, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
         path = profiles.cache_path(pipe.folder, {r: p.describe() for r, p in pipe.placements.items()})
@@ -200,9 +201,9 @@ def cores() -> int:
 
 def test_choose_split_by_hand():
     """The split whose best strategy is fastest; the current one kept within KEEP_MARGIN; no acceptance: default."""
-    from mirrorsd.profile import Profile
-    from mirrorsd.runtime.auto_threads import choose_split
-    from mirrorsd.runtime.latency import Acceptance
+    from mirrorsd.runtime.planner.profile import Profile
+    from mirrorsd.runtime.planner.threads import choose_split
+    from mirrorsd.runtime.planner.latency import Acceptance
 
     both = split_costs(2, 2, verify=0.009, draft1=0.004, contention=2.0)  # ar 111 tok/s
     one = split_costs(1, 1, verify=0.010, draft1=0.001)  # ar 100 tok/s; mirror hides its cheap draft
@@ -245,10 +246,10 @@ def test_auto_loads_the_thread_split_its_cached_profile_predicts_fastest(same_dr
         assert pipe.threads == (n, n) and pipe.thread_choice.source == "profile"
 
 
-# ---- leaving ar (runtime/ar_probe.py) ---------------------------------------------------------------------------
+# ---- leaving ar (runtime/planner/ar_probe.py) -------------------------------------------------------------------
 def run_auto(pipe, prior, tokens: int):
     """Decode ``tokens`` with an AutoProposer planning from ``prior`` and probing the draft while in ar."""
-    from mirrorsd.runtime.ar_probe import ArProbe
+    from mirrorsd.runtime.planner.ar_probe import ArProbe
 
     config = GenerationConfig(max_new_tokens=tokens, chat=False)
     proposer = AutoProposer(lambda s: pipe._proposer(pipe.concrete(config, s)), pipe._profile_costs(), prior,
@@ -271,7 +272,7 @@ def test_leaves_ar_when_the_probe_measures_a_good_draft(same_draft, single_threa
     costs where speculation pays at that acceptance, auto leaves ar. Output = ar's, before and after."""
     from dataclasses import replace
 
-    from mirrorsd.runtime.ar_probe import PROBE_STEPS
+    from mirrorsd.runtime.planner.ar_probe import PROBE_STEPS
 
     pipe = single_thread(same_draft)
     measured = with_costs(pipe)
@@ -306,8 +307,8 @@ def test_the_prior_is_a_running_mean_over_generations():
     """Hand-computed: a calibration over 6 prompts at alpha 0.6, then generations at 0.9 and 0.3: each counts as
     one prompt, so the priors are (6 * 0.6 + 0.9) / 7 and (6 * 0.6 + 0.9 + 0.3) / 8 (the old fixed weight 0.5 gave
     0.75, then 0.525: the last prompt's acceptance, not the pair's)."""
-    from mirrorsd.runtime.auto import blend, running_weight
-    from mirrorsd.runtime.latency import Acceptance
+    from mirrorsd.runtime.planner.auto import blend, running_weight
+    from mirrorsd.runtime.planner.latency import Acceptance
 
     prior = Acceptance(0.6, 0.5, 0.5, "calibration")
     after_one = blend(prior, Acceptance(0.9, 0.5, 0.5, "online"), running_weight(1, 6))
@@ -319,8 +320,8 @@ def test_the_prior_is_a_running_mean_over_generations():
 
 def test_leave_ar_needs_a_margin():
     """Hysteresis: a speculative strategy predicted 5 % faster than ar does not make auto leave it; 15 % does."""
-    from mirrorsd.runtime.ar_probe import LEAVE_MARGIN, leave_ar
-    from mirrorsd.runtime.latency import Acceptance, Prediction, Table
+    from mirrorsd.runtime.planner.ar_probe import LEAVE_MARGIN, leave_ar
+    from mirrorsd.runtime.planner.latency import Acceptance, Prediction, Table
 
     def table(ratio):
         return Table((Prediction(Strategy("sd", 2), 0.01 / ratio, 1.0), Prediction(Strategy("ar"), 0.01, 1.0)),
@@ -406,7 +407,7 @@ def test_a_cached_profile_that_contradicts_itself_is_measured_again(random_draft
     again when the pipeline asks for its profile, not trusted."""
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import Pipeline
-    from mirrorsd.runtime.profiling import contradiction
+    from mirrorsd.runtime.planner.profiling import contradiction
 
     busy = split_costs(1, 1, verify=0.002, draft1=0.001)
     busy = type(busy)(**{**busy.__dict__, "verify_s": (0.020, *busy.verify_s[1:])})

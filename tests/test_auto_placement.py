@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from mirrorsd.profile import Profile
-from mirrorsd.runtime.auto_placement import choose_placement
-from mirrorsd.runtime.auto_threads import SplitRule
-from mirrorsd.runtime.latency import Acceptance, SplitCosts
+from mirrorsd.runtime.planner.profile import Profile
+from mirrorsd.runtime.planner.placement import choose_placement
+from mirrorsd.runtime.planner.threads import SplitRule
+from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts
 
 from markers import needs_openvino
 
@@ -76,7 +76,7 @@ def test_auto_loads_the_placement_its_cached_profiles_predict_fastest(exported, 
     """`mirrorsd devices --profile` measures both placements here (draft on ONNX Runtime CPU and on OpenVINO CPU);
     with the OpenVINO one's costs made faster, a plan_from_profile load opens the draft there, and mode auto's
     tokens equal ar's on the default placement."""
-    from mirrorsd.cli import main
+    from mirrorsd.apps.cli import main
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import GenerationConfig, Pipeline
 

@@ -1,4 +1,4 @@
-"""Batch invariance of the target (ALGORITHM.md, Losslessness (a)): a row's logits are bitwise the same whether the
+"""Batch invariance of the target (docs/algorithm.md, Batch invariance): a row's logits are bitwise the same whether the
 target decodes it alone (``ar``) or inside a verification window (``sd``/``mirror``), in fp32 and quantized.
 
 The model is wide enough (hidden 256) for int8 activation re-quantization to turn rounding differences into whole
@@ -18,7 +18,7 @@ from mirrorsd.export.graphs import attention
 from mirrorsd.export.pipeline import ExportOptions, export
 from mirrorsd.export.quantize import INT8_ACTIVATIONS, quantize_graph
 from mirrorsd.export.requantize import requantize
-from mirrorsd.runtime import kernels
+from mirrorsd.devices import kernels
 from mirrorsd.manifest import load_manifest
 from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import GenerationConfig, Pipeline

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from mirrorsd.bench import BenchOptions, classify_parity, run_bench
-from mirrorsd.bench_report import markdown, spec_bench_answers, write_outputs
+from mirrorsd.apps.bench import BenchOptions, classify_parity, run_bench
+from mirrorsd.apps.bench_report import markdown, spec_bench_answers, write_outputs
 
 
 def questions(tmp_path):
@@ -68,7 +68,7 @@ def test_bench_runs_transformers_peers_on_the_same_prompt_ids(tmp_path, exported
 
 
 def test_peer_modes_fail_clearly_without_hf_sources(tmp_path, exported):
-    from mirrorsd.peers import PeerUnavailableError
+    from mirrorsd.apps.peers import PeerUnavailableError
 
     options = BenchOptions(model=exported("llama", draft_layers=3), modes=("ar", "hf-ar"),
                            questions=questions(tmp_path), categories=("qa",), per_category=1, max_new_tokens=4,

@@ -28,8 +28,8 @@ def inputs(tmp_path: Path, hits: dict[int, float], layers: int = LAYERS) -> tupl
 
 
 def expected_layer(sweep: Path, profile: Path) -> int:
-    from mirrorsd import profile as profiles
-    from mirrorsd.runtime.exit_layer import exit_layer_table, read_hits
+    from mirrorsd.runtime.planner import profile as profiles
+    from mirrorsd.runtime.planner.exit_layer import exit_layer_table, read_hits
 
     loaded = profiles.load(profile)
     hits, _ = read_hits(json.loads(sweep.read_text()))

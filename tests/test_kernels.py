@@ -1,4 +1,4 @@
-"""mirrorsd's MatMulNBits kernel (runtime/kernels) in real ONNX Runtime sessions: every row's bits independent of M
+"""mirrorsd's MatMulNBits kernel (devices/kernels) in real ONNX Runtime sessions: every row's bits independent of M
 and of the thread count, the instruction-set paths bit for bit equal, the error within the bound its quantization
 implies, clear errors for what it refuses."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from kernel_graphs import (activation_error_bound, library_or_skip, model_bytes, open_session, random_layers,
                            reference, run)
 
-from mirrorsd.runtime import kernels
+from mirrorsd.devices import kernels
 
 ort = pytest.importorskip("onnxruntime")
 PATHS = ("avx512vnni", "avx2", "scalar")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from mirrorsd.runtime.latency import (Acceptance, SplitCosts, Strategy, alpha_from_mean_accepted, expected_tokens,
-                                      predict, rank, step_time)
+from mirrorsd.runtime.planner.latency import (Acceptance, SplitCosts, Strategy, alpha_from_mean_accepted,
+                                              expected_tokens, predict, rank, step_time)
 
 COSTS = SplitCosts(target_threads=2, draft_threads=2,
                    verify_s=(0.036, 0.040, 0.041, 0.042, 0.0435), exit_s=(0.002, 0.002, 0.003, 0.003, 0.004),
@@ -118,7 +118,7 @@ def test_exit_layer_table_by_hand():
         14  0.6                         20 + 2 = 22       46                   46 - 42 = 4 ms      42 + 2.4 + 10.4 = 54.8
         21  0.7                         30 + 2 = 32       56                   14 ms               42 + 9.8 + 7.8 = 59.6
     The middle layer wins: a shallower exit names the token less often, a deeper one arrives too late."""
-    from mirrorsd.runtime.exit_layer import exit_layer_table, format_exit_table, interpolate, reuse_at
+    from mirrorsd.runtime.planner.exit_layer import exit_layer_table, format_exit_table, interpolate, reuse_at
 
     acceptance = Acceptance(alpha=0.5, reuse=0.6, reuse_noexit=0.4)
     rows = exit_layer_table(EXIT, acceptance, {7: 0.2, 14: 0.4, 21: 0.6}, base_layer=14, gammas=(2,))
@@ -137,7 +137,7 @@ def test_exit_layer_table_by_hand():
 
 
 def test_exit_layer_needs_the_prefix_time():
-    from mirrorsd.runtime.exit_layer import exit_layer_table
+    from mirrorsd.runtime.planner.exit_layer import exit_layer_table
 
     with pytest.raises(ValueError, match="prefix_s"):
         exit_layer_table(COSTS, HALF, {7: 0.2, 14: 0.4}, base_layer=14)

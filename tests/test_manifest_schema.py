@@ -81,5 +81,5 @@ def test_schema_export_options_are_the_export_options(validator):
 
     node = validator.schema["properties"]["export_options"]
     written = {f.name for f in dataclasses.fields(ExportOptions)} - set(RUN_ONLY)  # as _write_folder does
-    extra = {"requantized_from", "exit_layer_choice"}  # + mirrorsd quantize, + the export's exit-layer choice
+    extra = {"requantized_from", "rounding", "exit_layer_choice"}  # + mirrorsd quantize, + the exit-layer choice
     assert set(node["properties"]) - extra == written == set(node["required"])

@@ -147,7 +147,7 @@ def test_draft_on_openvino_plugin_ep_is_lossless_or_refused_clearly(native_build
     import onnxruntime_ep_openvino
 
     from mirrorsd.errors import DeviceError
-    from mirrorsd.native import NativeModel
+    from mirrorsd.runtime.native import NativeModel
 
     folder = exported("llama", draft_layers=2)
     try:

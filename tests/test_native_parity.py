@@ -74,7 +74,7 @@ def edited_copy(folder, tmp_path, edit) -> object:
 
 def test_stops_at_eos_and_context_like_python(exported, tmp_path, native_build):
     """The commit rules (EOS kept as the last token, the token budget, the context limit) are Python's."""
-    from mirrorsd.native import NativeModel
+    from mirrorsd.runtime.native import NativeModel
     from mirrorsd.runtime import Pipeline
 
     folder = exported("qwen2", draft_layers=2)
@@ -119,7 +119,7 @@ def broken_draft(folder, tmp_path):
 
 def test_failing_draft_raises_or_falls_back_like_python(exported, tmp_path, native_build):
     from mirrorsd.errors import DraftWorkerError
-    from mirrorsd.native import NativeModel
+    from mirrorsd.runtime.native import NativeModel
     from mirrorsd.runtime import Pipeline
 
     folder = broken_draft(exported("llama", draft_layers=2), tmp_path)

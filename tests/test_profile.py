@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from mirrorsd import profile as profiles
+from mirrorsd.runtime.planner import profile as profiles
 from mirrorsd.errors import ProfileError
-from mirrorsd.runtime.latency import Strategy, predict
+from mirrorsd.runtime.planner.latency import Strategy, predict
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "profiles"
 
@@ -57,7 +57,7 @@ def test_profile_json_is_strict():
 
 
 def test_plan_command_prints_predictions(capsys):
-    from mirrorsd.cli import main
+    from mirrorsd.apps.cli import main
 
     assert main(["plan", "--profile", str(DOCS / "rtx4060-laptop-npu.json")]) == 0
     out = capsys.readouterr().out
@@ -68,7 +68,7 @@ def test_plan_command_prints_predictions(capsys):
 
 
 def test_devices_profile_measures_caches_and_prints_the_table(exported, capsys):
-    from mirrorsd.cli import main
+    from mirrorsd.apps.cli import main
 
     folder = exported("llama", draft_layers=4)
     assert main(["devices", "--profile", "--model", str(folder)]) == 0
@@ -90,13 +90,13 @@ def test_devices_profile_measures_caches_and_prints_the_table(exported, capsys):
         assert s.draft1_s > 0 and s.branch_fwd_s > 0 and s.c_target >= 1 and s.c_draft >= 1
     assert main(["devices", "--model", str(folder), "--threads", "1"]) == 0  # read back, nothing measured
     assert "PREDICTED" in capsys.readouterr().out
-    from mirrorsd.runtime.profiling import CALIBRATION_PROMPTS
+    from mirrorsd.runtime.planner.profiling import CALIBRATION_PROMPTS
 
     assert profile.calibration["prompts"] == len(CALIBRATION_PROMPTS) == 6  # one per SpecBench category
 
 
 def test_devices_says_what_to_run_when_nothing_is_profiled(exported, capsys):
-    from mirrorsd.cli import main
+    from mirrorsd.apps.cli import main
 
     assert main(["devices", "--model", str(exported("llama", draft_layers=4))]) == 0
     out = capsys.readouterr().out
@@ -108,7 +108,7 @@ def test_an_acceptance_calibrated_on_other_prompts_is_measured_again(exported):
     calibrated again; its measured costs are kept."""
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import Pipeline
-    from mirrorsd.runtime.profiling import CALIBRATION_PROMPTS
+    from mirrorsd.runtime.planner.profiling import CALIBRATION_PROMPTS
 
     folder = exported("llama", draft_layers=4)
     with Pipeline.load(folder, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
@@ -154,7 +154,7 @@ def test_profile_times_the_sparse_exit_head_when_the_folder_has_one(exported, tm
     from mirrorsd import names
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import Pipeline
-    from mirrorsd.runtime.profiling import measure_split
+    from mirrorsd.runtime.planner.profiling import measure_split
 
     folder = with_sparse_exit(exported("llama", draft_layers=4), tmp_path / "sparse")
     with Pipeline.load(folder, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
@@ -183,7 +183,7 @@ def test_profile_times_the_sparse_exit_head_when_the_folder_has_one(exported, tm
 def test_profile_without_a_sparse_head_times_the_full_one(exported):
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import Pipeline
-    from mirrorsd.runtime.profiling import measure_split
+    from mirrorsd.runtime.planner.profiling import measure_split
 
     with Pipeline.load(exported("llama", draft_layers=4), DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
         costs, detail = measure_split(pipe, max_gamma=2, repeats=1)
@@ -193,8 +193,8 @@ def test_profile_without_a_sparse_head_times_the_full_one(exported):
 def test_plan_prints_the_exit_layer_table(tmp_path, capsys):
     """`mirrorsd plan --exit-hits SWEEP.json`: Mirror-SD's predicted speed per exit layer from the profile's prefix
     times, and the best layer; a split without prefix times says what it lacks."""
-    from mirrorsd.cli import main
-    from mirrorsd.runtime.exit_layer import exit_layer_table, read_hits
+    from mirrorsd.apps.cli import main
+    from mirrorsd.runtime.planner.exit_layer import exit_layer_table, read_hits
 
     data = json.loads((DOCS / "rtx4060-laptop-npu.json").read_text())
     split = data["splits"][0]
@@ -220,14 +220,10 @@ def test_plan_prints_the_exit_layer_table(tmp_path, capsys):
 
 
 def test_exit_layer_sweep_suggests_the_latency_models_layer(tmp_path):
-    """scripts/exit_layer_sweep.py's suggestion is the latency model's best layer (no heuristic)."""
-    import importlib.util
-
+    """mirrorsd-exit-sweep's suggestion is the latency model's best layer (no heuristic)."""
     pytest.importorskip("torch")
-    script = Path(__file__).resolve().parent.parent / "scripts" / "exit_layer_sweep.py"
-    spec = importlib.util.spec_from_file_location("exit_layer_sweep", script)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    from mirrorsd.export.early_exit import sweep
+
     data = json.loads((DOCS / "rtx4060-laptop-npu.json").read_text())
     split = data["splits"][0]
     data["splits"] = [{**split, "prefix_s": [v / 2 for v in split["verify_s"]], "detail": {"exit_layer": 24}}]
@@ -240,7 +236,7 @@ def test_exit_layer_sweep_suggests_the_latency_models_layer(tmp_path):
 def test_profile_cache_is_per_kernel_build(tmp_path, monkeypatch):
     """A profile measured with one build of mirrorsd's kernel library is not read for another (a kernel change can
     move the costs by half); placements without those kernels do not depend on the build."""
-    from mirrorsd.runtime import kernels
+    from mirrorsd.devices import kernels
 
     folder = tmp_path / "export"
     folder.mkdir()

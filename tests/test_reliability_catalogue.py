@@ -1,7 +1,7 @@
 """Every case of the reliability catalogue (tests/catalogue_cases.py) is handled: the user's files are intact, no
 scratch folder is left, a failure is one what/why/fix line with no traceback, and it ends in bounded time.
 
-docs/reliability.md is this catalogue's table, before and after (scripts/reliability_table.py prints it).
+docs/reliability.md is this catalogue's table, before and after (scripts/lab/reliability_table.py prints it).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ with Pipeline.load({str(folder)!r}) as pipe:
     for mode in ('ar', 'sd', 'mirror'):
         out = pipe.generate('Hello there', GenerationConfig(mode=mode, max_new_tokens=8))
         assert len(out.tokens) >= 1, mode
-from mirrorsd.cli import main
+from mirrorsd.apps.cli import main
 assert main(['generate', '--model', {str(folder)!r}, '--prompt', 'Hi', '--max-new-tokens', '4', '--json']) == 0
 assert not any(m.split('.')[0] == 'torch' for m in sys.modules)
 print('ok')

@@ -296,7 +296,7 @@ def test_export_defaults_apply_unless_overridden(pipe, monkeypatch):
 def test_cli_sampling_flags_and_json(exported, capsys):
     import json
 
-    from mirrorsd.cli import main
+    from mirrorsd.apps.cli import main
 
     argv = ["generate", "--model", str(exported("llama", draft_layers=3)), "--prompt", "Hello", "--max-new-tokens",
             "12", "--sample", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.95", "--repetition-penalty",
@@ -311,7 +311,8 @@ def test_cli_sampling_flags_and_json(exported, capsys):
     assert 0.0 <= runs[0]["stats"]["acceptance_rate"] <= 1.0 and "reuse_rate" in runs[0]["stats"]
 
 
-def reference_distribution(pipe, params: SamplingParams, length: int = 3) -> dict[tuple, float]:
+def reference_distribution(pipe, params: SamplingParams, length: int = 3, prompt: list[int] = PROMPT
+                           ) -> dict[tuple, float]:
     """Exact target-only probabilities of the first ``length`` tokens, processed by transformers' own processors."""
     torch = pytest.importorskip("torch")
     from transformers.generation import logits_process as lp
@@ -327,7 +328,7 @@ def reference_distribution(pipe, params: SamplingParams, length: int = 3) -> dic
             if prefix and (prefix[-1] in eos or prefix[-1] == -1):  # stopped: the category keeps its mass
                 grown[prefix + (-1,)] = mass
                 continue
-            ids = PROMPT + [t for t in prefix]
+            ids = prompt + [t for t in prefix]
             pipe.target.reset(1, len(ids) + 1)
             logits = torch.tensor(pipe.target.extend(ids)[-1:])
             probs = torch.softmax(chain(torch.tensor([ids]), logits), -1)[0].double().numpy()

@@ -135,7 +135,7 @@ def test_finish_reason_says_why_each_mode_stopped(drafts, capsys):
     import dataclasses
     import json
 
-    from mirrorsd.cli import main
+    from mirrorsd.apps.cli import main
     from mirrorsd.runtime import Pipeline
 
     with Pipeline.load(drafts["truncated"]) as pipe:

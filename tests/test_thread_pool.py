@@ -13,9 +13,9 @@ import subprocess
 import sys
 
 from mirrorsd.devices.thread_pool import resolve
-from mirrorsd.profile import Profile, from_json
-from mirrorsd.runtime.auto_threads import SplitRule, choose_split
-from mirrorsd.runtime.latency import Acceptance, SplitCosts, split_name
+from mirrorsd.runtime.planner.profile import Profile, from_json
+from mirrorsd.runtime.planner.threads import SplitRule, choose_split
+from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts, split_name
 
 USELESS = Acceptance(0.0, 0.0, 0.0, "test")  # ar is every split's best strategy: 1 token per verify(1)
 
@@ -59,11 +59,11 @@ def test_auto_ranks_the_shared_pool_as_a_split_of_its_own():
 
 CHILD = r'''
 import sys
-from mirrorsd import profile as profiles
+from mirrorsd.runtime.planner import profile as profiles
 from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.errors import DeviceError
 from mirrorsd.runtime import GenerationConfig, Pipeline
-from mirrorsd.runtime.latency import Acceptance, SplitCosts
+from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts
 
 folder, threads = sys.argv[1], int(sys.argv[2])
 prompt = [1, 17, 42, 99, 7]

@@ -47,11 +47,12 @@ def build_tokenizer(folder: Path, corpus: list[str] = CORPUS):
 
 def build_model(folder: Path, model_type: str = "llama", layers: int = 4, seed: int = 0, hidden: int = 64,
                 init_range: float = 0.3, corpus: list[str] = CORPUS, max_positions: int = 512,
-                vocab_size: int = VOCAB, heads: int = 4, kv_heads: int = 2) -> Path:
+                vocab_size: int = VOCAB, heads: int = 4, kv_heads: int = 2, memoryless: bool = False) -> Path:
     """Write a tiny random causal LM + tokenizer as a Hugging Face folder and return the folder.
 
     ``vocab_size`` above the tokenizer's VOCAB tokens adds embedding rows that no token uses (as padded
-    vocabularies do)."""
+    vocabularies do). ``memoryless``: attention outputs zero (o_proj = 0), so the next token depends on the current
+    token alone and greedy text soon runs in a cycle (text that repeats, for prompt lookup)."""
     import torch
     import transformers
 
@@ -68,6 +69,10 @@ def build_model(folder: Path, model_type: str = "llama", layers: int = 4, seed: 
         pad_token_id=tok.pad_token_id, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    if memoryless:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
 

@@ -11,7 +11,7 @@ from mirrorsd.specbench import HOLDOUT
 class ExitTrainOptions:
     model: Path  # an export folder (mirrorsd-export): read only
     output: Path  # the new export folder: a copy with the trained exit_head.onnx (and exit_sparse.onnx)
-    prompts: Path | None = None  # SpecBench question.jsonl (default: the project's shared copy)
+    prompts: Path | None = None  # SpecBench question.jsonl (default: specbench.default_path())
     train_prompts: int | None = 64  # None: every training question
     eval_prompts: int = 16  # held-out questions scored before and after
     holdout: int = HOLDOUT  # the first N questions of every category are never trained on (mirrorsd.specbench)

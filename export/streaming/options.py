@@ -15,8 +15,9 @@ class TrainOptions:
     draft: Path
     target: Path
     output: Path
-    prompts: Path | None = None  # SpecBench question.jsonl (default: the project's shared copy)
-    streams: int = 2  # the paper's n_s (ALGORITHM.md); a g-token window needs >= 1 + ceil((g-1)/(n+1)) forwards
+    prompts: Path | None = None  # SpecBench question.jsonl (default: specbench.default_path())
+    streams: int = 2  # n_s (docs/algorithm.md, Streaming drafts): a g-token window takes >= 1 + ceil((g-1)/(n+1))
+    #                   forwards
     stream_layers: int = 4
     method: str = "lora"
     lora_rank: int = 16

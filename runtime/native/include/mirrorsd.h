@@ -77,8 +77,8 @@ typedef struct mirrorsd_model mirrorsd_model;
 
 /* Where the graphs run. Device strings: NULL or "auto", "cpu", "cuda", "ort-openvino:CPU", "ort-openvino:GPU".
  * auto: the target takes cuda when this ONNX Runtime build has it, else cpu; the draft takes cpu.
- * kernels_library: mirrorsd's MatMulNBits kernels (runtime/kernels, libmirrorsd_kern.so; Python:
- * mirrorsd.runtime.kernels.usable_library().path). Every CPU session whose graph imports the com.microsoft domain
+ * kernels_library: mirrorsd's MatMulNBits kernels (devices/kernels, libmirrorsd_kern.so; Python:
+ * mirrorsd.devices.kernels.usable_library().path). Every CPU session whose graph imports the com.microsoft domain
  * registers it in replace mode, so every int4/int8 MatMulNBits node runs it: a row's bits then do not depend on the
  * rows beside it, which sd and mirror need to emit exactly ar's tokens on a quantized grouped-attention target
  * (ONNX Runtime's own kernel with int8 activations is not row-invariant on every CPU). NULL or "" = ONNX Runtime's

@@ -71,7 +71,7 @@ std::string kernels_library(const char* path) {
     throw Error(Code::Device, std::string("The kernels library '") + path + "' is not a file",
                 "kernels_library names mirrorsd's MatMulNBits kernels (libmirrorsd_kern.so), loaded into every "
                 "session that runs MatMulNBits",
-                "pass the path of libmirrorsd_kern.so (Python: mirrorsd.runtime.kernels.usable_library().path), or "
+                "pass the path of libmirrorsd_kern.so (Python: mirrorsd.devices.kernels.usable_library().path), or "
                 "NULL for ONNX Runtime's own kernel");
   return path;
 }

@@ -1,0 +1,124 @@
+// AVX-512 VNNI path (built with -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mfma; called only after cpuid says
+// so). A 64-byte vector holds 16 columns x 4 consecutive k; one vpdpbusd per row per 4 k multiplies the unsigned
+// weights by the row's 4 signed activations broadcast to every column:
+//
+//   acc[c] += sum_j w[c][4v+j] * q[4v+j]      (u8 x s8 -> s32, exact; the zero point comes back through corr)
+//
+// Rows are processed in tiles of up to 8 that share each unpacked weight vector, so B is read once per call for
+// M <= 8. A row's float steps are the same instructions in every tile; only the grouping of its exact int32
+// additions depends on the tile size (see chains), so its bits do not depend on the tile it sits in.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "qgemm.hpp"
+
+namespace mirrorsd_kern {
+
+namespace {
+
+constexpr int64_t kColumns = 16;  // columns per group
+constexpr int kRows = 8;          // rows per tile (8 float accumulators + 8 weight vectors fit in 32 registers)
+// Every cache line of the block this many blocks ahead is prefetched (~2.5 KB at 4 bits): with several rows the
+// loop body is long, the out-of-order window covers few blocks, and the hardware prefetcher alone left a 5-row
+// tile latency-bound, well above the one-row time, when streaming from memory.
+constexpr int64_t kAhead = 8;
+
+inline __m512i broadcast4(const int8_t* q) {  // 4 activation bytes to every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Weights of one block as 8 vectors, each 16 columns x 4 k (unsigned bytes).
+template <int BITS>
+inline void load_block(const uint8_t* p, __m512i w[8]) {
+  if constexpr (BITS == 4) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int v = 0; v < 4; ++v) {
+      const __m512i packed = _mm512_load_si512(p + 64 * v);
+      w[v] = _mm512_and_si512(packed, low);
+      w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    }
+  } else {
+    for (int v = 0; v < 8; ++v) w[v] = _mm512_load_si512(p + 64 * v);
+  }
+}
+
+// Independent integer accumulators per row: a vpdpbusd waits ~5 cycles for the previous one on its accumulator, so
+// a tile of few rows splits the 8 steps of a block over several chains (integer sums: the result is the same).
+template <int MT>
+constexpr int chains() {
+  return MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);
+}
+
+template <int MT, int BITS>
+void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int64_t m0, int64_t n0,
+               const float* bias, float* y) {
+  constexpr int64_t wbytes = kColumns * kBlock * BITS / 8;
+  constexpr int64_t stride = wbytes + kColumns * 4;
+  constexpr int C = chains<MT>();
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* p = panel;
+  for (int64_t blk = 0; blk < s.kb; ++blk, p += stride) {
+    for (int64_t line = 0; line < stride; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * stride + line), _MM_HINT_T0);
+    __m512i w[8];
+    load_block<BITS>(p, w);
+    __m512i d[MT][C];
+    const int8_t* q[MT];
+    for (int m = 0; m < MT; ++m) {
+      q[m] = a.block_q(m0 + m, blk);
+      d[m][0] = _mm512_set1_epi32(a.block_corr(m0 + m, blk));  // -zero_point * sum(q): d = sum (w - zp) * q
+      for (int c = 1; c < C; ++c) d[m][c] = _mm512_setzero_si512();
+    }
+    for (int v = 0; v < 8; ++v)  // rows innermost: consecutive vpdpbusd are independent
+      for (int m = 0; m < MT; ++m) d[m][v % C] = _mm512_dpbusd_epi32(d[m][v % C], w[v], broadcast4(q[m] + 4 * v));
+    const __m512 wscale = _mm512_load_ps(reinterpret_cast<const float*>(p + wbytes));
+    for (int m = 0; m < MT; ++m) {
+      for (int c = 1; c < C; ++c) d[m][0] = _mm512_add_epi32(d[m][0], d[m][c]);
+      const __m512 both = _mm512_mul_ps(wscale, _mm512_set1_ps(a.block_scale(m0 + m, blk)));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[m][0]), both, acc[m]);
+    }
+  }
+  const int64_t valid = s.N - n0 < kColumns ? s.N - n0 : kColumns;
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) {
+    const __m512 out = bias ? _mm512_add_ps(acc[m], b) : acc[m];
+    _mm512_mask_storeu_ps(y + (m0 + m) * s.N + n0, mask, out);
+  }
+}
+
+// Step 1 for a whole block of 32, as quantize_block_scalar computes it.
+void quantize_block(const float* a, int64_t, int zero_point, int8_t* q, float* scale, int32_t* corr) {
+  const __m512 lo = _mm512_loadu_ps(a), hi = _mm512_loadu_ps(a + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+  // cvtps2dq rounds half to even (the default MXCSR mode, which the kernel enforces) and turns NaN into INT_MIN
+  const __m512i qlo = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse))));
+  const __m512i qhi = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
+  *scale = amax / 127.0f;
+  *corr = -zero_point * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+}
+
+struct Traits {
+  static constexpr int64_t kWidth = kColumns;
+  static constexpr int kMaxTile = kRows;
+  static constexpr uint8_t kFlip8 = 0;  // 8-bit weights packed unsigned, as ONNX Runtime stores them
+  template <int MT, int BITS>
+  static constexpr TileFn tile = tile_rows<MT, BITS>;
+};
+
+}  // namespace
+
+const Path& avx512_path() {
+  static const Path path = interleaved_path<Traits>("avx512vnni", quantize_block);
+  return path;
+}
+
+}  // namespace mirrorsd_kern
