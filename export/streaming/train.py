@@ -376,22 +376,39 @@ def _check_options(options: TrainOptions) -> None:
 def _check_sources(options: TrainOptions) -> None:
     """What the draft and target configs decide, read without a weight: the draft has --stream-layers layers to
     carry the streams, and the target's vocabulary (the draft learns the target's token ids)."""
-    from mirrorsd.export.loading import open_model
-
-    draft = open_model(options.draft).info
-    if options.stream_layers > draft.num_layers:
+    draft_layers, draft_vocab = _sizes(options.draft)
+    if options.stream_layers > draft_layers:
         raise ExportOptionError(f"--stream-layers {options.stream_layers} is out of range",
-                                f"the draft has {draft.num_layers} layers", "pick fewer stream layers")
+                                f"the draft has {draft_layers} layers", "pick fewer stream layers")
     if data.is_export_folder(options.target):
         from mirrorsd.manifest import load_manifest
 
         target_vocab = load_manifest(Path(options.target).expanduser()).target.vocab_size
     else:
-        target_vocab = open_model(options.target).info.vocab_size
-    if target_vocab > draft.vocab_size:
+        target_vocab = _sizes(options.target)[1]
+    if target_vocab > draft_vocab:
         raise ExportOptionError("The draft cannot read the target's answers",
-                                f"the target's vocabulary has {target_vocab} entries, the draft's {draft.vocab_size}",
+                                f"the target's vocabulary has {target_vocab} entries, the draft's {draft_vocab}",
                                 "use a draft with the target's tokenizer")
+
+
+def _sizes(model) -> tuple[int, int]:
+    """(layers, vocabulary rows) of a model: from a Hugging Face folder's checked config.json (no transformers
+    import), else from its opened config (a .gguf file, a pinned name)."""
+    from mirrorsd.export.loading import open_model, source_path
+    from mirrorsd.export.source_checks import check_config_object
+    from mirrorsd.errors import ModelSourceError
+    from mirrorsd.user_files import JSON_LIMIT, read_json
+
+    config = source_path(model) / "config.json"
+    if config.is_file():
+        raw = read_json(config, JSON_LIMIT, lambda why: ModelSourceError(f"Cannot read {config}", why,
+                                                                         "restore the model's config.json"))
+        raw = check_config_object(raw, config)
+        if raw.get("num_hidden_layers") and raw.get("vocab_size"):  # else (a nested config): transformers reads it
+            return raw["num_hidden_layers"], raw["vocab_size"]
+    info = open_model(model).info
+    return info.num_layers, info.vocab_size
 
 
 def _check_draft(options: TrainOptions, draft, samples: list[data.Sample]) -> None:
