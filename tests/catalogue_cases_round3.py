@@ -164,6 +164,13 @@ def _(w):
                env={"MIRRORSD_PROFILES": str(unwritable(w))}, limit_s=120)
 
 
+@case("devices-profile-threads-1e6", "23.1", "devices --profile --threads 1000000", says=("--threads",))
+def _(w):
+    w.copy("export", "export")
+    return Run(["mirrorsd", "devices", "--profile", "--model", "export", "--threads", "1000000"], w.root,
+               env={"MIRRORSD_PROFILES": str(w.root / "profiles")})
+
+
 # 23.5 bad entries in the profile cache -----------------------------------------------------------------------------
 for _name, _make in (("garbage", garbage), ("folder", folder), ("wrong-type", wrong_type), ("endless", endless),
                      ("fifo", fifo), ("too-large", too_large), ("nested", nested), ("loop", loop)):

@@ -130,6 +130,10 @@ def devices_table(args, measure: bool) -> int:
     from mirrorsd.manifest import load_manifest
     from mirrorsd.runtime import Pipeline
 
+    from mirrorsd import ranges
+    from mirrorsd.errors import GenerationInputError
+
+    ranges.check(args, {"threads": ranges.threads()}, GenerationInputError)  # before a child builds a pool of them
     request = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
                             kernels=args.kernels)
     if measure:
