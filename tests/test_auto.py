@@ -377,26 +377,31 @@ def test_sd_starts_from_a_draft_cache_that_holds_a_prefix_of_its_text(same_draft
 
 
 # ---- a profile that cannot be trusted ------------------------------------------------------------------------------
-def test_measured_step_times_correct_a_profile_wrong_for_speculation(random_draft, single_thread):
+def test_measured_step_times_correct_a_profile_wrong_for_speculation(random_draft):
     """A profile whose speculative costs are a hundredth of the real ones (taken while other jobs ran, the way a
     1-row verify measured dearer than a 2-row one): auto starts speculating, measures its steps, corrects the costs
     of every speculative strategy by them and finishes in ar, whose cost was right; the tokens are ar's."""
     from dataclasses import replace
 
-    pipe = single_thread(random_draft)
-    measured = pipe.profile()
-    real = measured.split(*pipe.thread_key)
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import Pipeline
+
+    with Pipeline.load(random_draft, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
+        measured = pipe.profile()  # measured now (other tests fix the costs of their shared pipelines)
+        real = measured.split(*pipe.thread_key)
+        check_correction(pipe, measured, real)
+
+
+def check_correction(pipe, measured, real) -> None:
+    from dataclasses import replace
+
     cheap = replace(real, verify_s=(real.verify_s[0], *(v / 100 for v in real.verify_s[1:])),
                     exit_s=tuple(v / 100 for v in real.exit_s), draft1_s=real.draft1_s / 100,
                     branch_fwd_s=real.branch_fwd_s / 100, stream_window_s=(), draft_prefill_s=0.0,
                     mirror_host_s=(), prefix_s=())
     pipe.use_profile(replace(measured, splits=(cheap,), detail=({},)))
-    try:
-        config = GenerationConfig(max_new_tokens=96, chat=False)
-        result = pipe.generate(PROMPT, config)
-        auto = result.stats.auto
-    finally:
-        pipe.use_profile(measured)
+    result = pipe.generate(PROMPT, GenerationConfig(max_new_tokens=96, chat=False))
+    auto = result.stats.auto
     assert not auto["chosen"].startswith("ar"), auto  # the wrong profile predicts speculation far faster
     assert auto["final"].startswith("ar"), auto
     assert result.tokens == pipe.generate(PROMPT, GenerationConfig(mode="ar", max_new_tokens=96, chat=False)).tokens

@@ -4,10 +4,13 @@
               split (runtime/planner/latency.py), from its measured profile and the pair's acceptance (calibration, then
               what earlier generations measured); take the fastest
     generate  the chosen proposer does the work; every step's wall time and committed tokens are recorded
-    correct   every RECHECK_STEPS steps, the seconds per step the running strategy measured replace the profile's
-              for that strategy (a factor on its predicted step time, kept for the generation): a profile taken
-              on a busy machine, or one whose costs are wrong for one strategy, is corrected by what each strategy
-              actually ran at, and every later ranking (re-plan, ar probe) uses the corrected times
+    correct   every RECHECK_STEPS steps, a running strategy that measured more seconds per step than the profile
+              predicts gets that factor on its step time for the rest of the generation (and so does every
+              strategy of several rows per step not run yet: they share the wide verify's cost); every later
+              ranking (re-plan, ar probe) uses the corrected times. A profile taken on a busy machine, wrong for
+              one strategy, is corrected by what that strategy ran at. Only ever dearer: a strategy measured
+              faster than profiled keeps its prediction, since the strategies it is ranked against were not
+              measured (a machine faster than its profile all round must not make the running one look best)
     re-plan   when the last RECHECK_STEPS steps ran more than SLACK below the prediction, rank again with the
               acceptance measured so far in this generation (e.g. acceptance collapsed: drop to ar) and the
               corrected step times. If the same strategy still wins, its corrected prediction is what it measured,
@@ -112,18 +115,19 @@ def plan_table(costs: SplitCosts, acceptance: Acceptance, streaming: bool = Fals
     return rank([costs], acceptance, gammas, streaming, context, new_tokens, current)
 
 
-DRAFTED = ("sd", "mirror")  # the modes that run the draft model: their costs share the draft's and the wide verify's
+WIDE = ("sd", "mirror", "ngram")  # the modes that verify windows of several rows: they share that cost (and the draft's)
 
 
 def corrected(table: Table, step_factor: dict[Strategy, float]) -> Table:
     """``table`` with each measured strategy's step time scaled by ``step_factor`` (measured / predicted seconds
-    per step), fastest first again. A speculative strategy not run yet takes the largest factor measured on a
-    speculative one: they share the draft's and the multi-row verify's costs, so a profile wrong for one is wrong
-    for them (else auto would walk through every untried gamma and mode, each predicted from the same bad costs)."""
+    per step), fastest first again. A strategy of several rows per step (sd, mirror, ngram) not run yet takes the
+    largest factor measured on one of them: they share the multi-row verify's cost (and sd and mirror the draft's),
+    so a profile wrong for one is wrong for them (else auto would walk through every untried gamma and mode, each
+    predicted from the same bad costs)."""
     if not step_factor:
         return table
-    speculative = max((f for s, f in step_factor.items() if s.mode in DRAFTED), default=1.0)
-    rows = [Prediction(r.strategy, r.step_s * step_factor.get(r.strategy, speculative if r.strategy.mode in DRAFTED
+    speculative = max((f for s, f in step_factor.items() if s.mode in WIDE), default=1.0)
+    rows = [Prediction(r.strategy, r.step_s * step_factor.get(r.strategy, speculative if r.strategy.mode in WIDE
                                                               else 1.0), r.tokens_per_step)
             for r in table.rows]
     order = {m: i for i, m in enumerate(MODES)}
@@ -269,8 +273,8 @@ class AutoProposer:
         """The running strategy's step time as measured: its factor on the profile's prediction (uncorrected)."""
         profiled = self._profiled(self.table.acceptance, self.strategy)
         predicted = next((r.step_s for r in profiled.rows if r.strategy == self.strategy), 0.0)
-        if measured_step_s > 0 and predicted > 0:
-            self.step_factor[self.strategy] = measured_step_s / predicted
+        if measured_step_s > 0 and predicted > 0:  # only ever dearer: see the module docstring
+            self.step_factor[self.strategy] = max(1.0, measured_step_s / predicted)
 
     def acceptance(self) -> Acceptance:
         """What this generation measured so far (online.acceptance), with its ngram replay."""
