@@ -48,7 +48,7 @@ def profiled(w, *args: str, bad=None, fixture: str = "export") -> Run:
     run.env["MIRRORSD_PROFILES"] = str(cache)
     if bad is not None:
         subprocess.run(run.command(), cwd=run.cwd, env={**os.environ, **run.env}, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, check=True, timeout=120)
+                       stderr=subprocess.DEVNULL, check=True, timeout=600)
         bad(cache)
     return run
 

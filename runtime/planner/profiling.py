@@ -318,14 +318,8 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
     try:
         if need_split:
             costs, detail = measure_split(pipe, tick=lambda: bar.update(1))
-            if contradiction(costs):  # measured while something else ran: once more
-                costs, detail = measure_split(pipe)
-                if contradiction(costs):
-                    import logging
-
-                    logging.getLogger("mirrorsd.runtime.planner.profile").warning(
-                        "the profile measured twice contradicts itself (%s): a busy machine? mode auto corrects it "
-                        "from the step times it measures while generating", contradiction(costs))
+            if contradiction(costs):  # measured while something else ran: once more (then auto corrects it
+                costs, detail = measure_split(pipe)  # online from the step times it measures while generating)
             current = current.with_split(costs, detail)
         if need_acceptance:
             acceptance, how = calibrate(pipe, tick=lambda: bar.update(1))
@@ -339,18 +333,19 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
     return current
 
 
-WIDTH_TOLERANCE = 1.5  # a verify of fewer rows may measure this much dearer than one of more rows (noise); beyond
+WIDTH_TOLERANCE = 2.0  # a verify of fewer rows may measure this much dearer than one of more rows (noise); beyond
 #                        it, the profile was taken while something else ran (a 1-row step cannot cost more than 2)
+WIDTH_SLACK_S = 1e-3  # ... and by this much in seconds: tiny models' steps are overhead, noisy on a shared machine
 
 
 def contradiction(costs: SplitCosts) -> str:
     """Why ``costs`` contradict themselves, or "": a verify (or exit) step of fewer rows measured dearer than one
-    of more rows by more than WIDTH_TOLERANCE (the rows run in one batch: more of them never cost less)."""
+    of more rows by more than WIDTH_TOLERANCE and WIDTH_SLACK_S (the rows run in one batch: more never cost less)."""
     for name in ("verify_s", "exit_s"):
         times = getattr(costs, name)
         for rows in range(len(times) - 1):
             wider = min(times[rows + 1:])
-            if wider > 0 and times[rows] > WIDTH_TOLERANCE * wider:
+            if wider > 0 and times[rows] > WIDTH_TOLERANCE * wider and times[rows] - wider > WIDTH_SLACK_S:
                 return (f"{name}: {rows + 1} row(s) {times[rows] * 1e3:.2f} ms against "
                         f"{wider * 1e3:.2f} ms for more rows")
     return ""
