@@ -56,6 +56,10 @@ def export(options: ExportOptions, progress: Callable[[str], None] = lambda step
     check_precision(options.draft_precision, "--draft-precision")
     check_mode(options.gguf_blocks)
     _check_fp16(options, None)
+    if options.exit_layer is None and options.exit_hits is not None and options.exit_profile is not None:
+        from mirrorsd.export.exit_choice import read_inputs
+
+        read_inputs(options.exit_hits, options.exit_profile)  # bad files fail now, not after the model opens
     progress("opening target")
     target = open_model(options.model, options.trust_remote_code)
     draft = _open_draft(options, target, progress)
