@@ -35,7 +35,7 @@ KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
 @dataclass(frozen=True)
 class OpenVINOTuning:
     """How the OpenVINO runtime computes one graph, beyond device, threads and precision (devices/openvino_graph.py;
-    scripts/openvino_target.py measures each choice).
+    scripts/lab/openvino_target.py measures each choice).
 
     attention     "fused": one ScaledDotProductAttention op per attention (the plugin's attention kernel);
                   "exact-softmax": the exported ops with a row-invariant softmax; "as-exported": untouched
@@ -44,7 +44,7 @@ class OpenVINOTuning:
     kv_precision  what a stateful cache stores: "f32", "f16", "bf16" or "u8" (the plugin's default)
     dynamic_quantization_group_size
                   int8 activations for compressed (int4/int8) weights, per group of this many inputs; None = the
-                  plugin's default (32 on CPU), 0 = off (f32 activations, about 2x slower)
+                  plugin's default (32 on CPU), 0 = off (f32 activations, much slower)
     """
 
     attention: str = "as-exported"  # the bare default changes nothing; DeviceRequest holds the measured choices
@@ -62,7 +62,7 @@ class OpenVINOTuning:
 
     def inexact(self) -> str:
         """Why a target computed this way would not verify a window as it decodes one row ("" when it would).
-        Measured on Qwen2.5-Coder-1.5B int4 (scripts/openvino_target.py); each reason is one of those results."""
+        Measured on Qwen2.5-Coder-1.5B int4 (scripts/lab/openvino_target.py); each reason is one of those results."""
         if self.attention == "as-exported":
             return "the plugin's Softmax sums a row in an order that depends on the window (0.29 logits with int8 " \
                    "activations)"
@@ -130,17 +130,18 @@ class OrtSession:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
-        opts.intra_op_num_threads = max(1, settings.threads)
-        opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
-        # Two sessions share two cores in Mirror-SD: spinning threads would steal the other session's core.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if settings.shared_pool:
+        if settings.shared_pool:  # thread counts and spinning are the pool's (set here, ONNX Runtime warns)
             from mirrorsd.devices.thread_pool import use_shared_pool
 
             use_shared_pool(opts, max(1, settings.threads))
+            return opts
+        opts.intra_op_num_threads = max(1, settings.threads)
+        opts.inter_op_num_threads = 1
+        # Two sessions share two cores in Mirror-SD: spinning threads would steal the other session's core.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         return opts
 
     def _open(self, make, path: Path) -> None:
@@ -191,9 +192,9 @@ class OrtPluginSession(OrtSession):
 
 
 # OpenVINO's CPU plugin keeps the kernels it compiled for each input shape, 5000 shapes by default. A KV cache makes
-# every decode step a new shape (past length + 1), so that cache only grew: 5.3 GB at 4,000 tokens for a 2-layer
-# draft (issue 19). A step almost never repeats a shape, so a small cache costs nothing and keeps memory flat
-# (scripts/openvino_memory.py measures it; docs/reliability.md has the numbers).
+# every decode step a new shape (past length + 1), so that cache only grew, to gigabytes over a long generation.
+# A step almost never repeats a shape, so a small cache costs nothing and keeps memory flat
+# (scripts/lab/openvino_memory.py measures it; docs/reliability.md has the numbers).
 CPU_RUNTIME_CACHE_SHAPES = 16
 
 
@@ -352,7 +353,7 @@ class OpenVINOSession:
         """Keep the first ``length`` slots of every state (a rejected window's slots go).
 
         OpenVINO has no in-place trim: each state is read, sliced and written back (what OpenVINO GenAI does too),
-        moving the kept KV twice (measured: ~5 ms for both target graphs at 150 slots, f32). An f16/bf16 cache
+        moving the kept KV twice (a few ms a rollback, growing with the context). An f16/bf16 cache
         survives the round trip bit for bit (f32 holds every value); a u8 cache is re-quantized from its dequantized
         values and changes, so the runtime refuses u8 for the target (OpenVINOTuning.inexact).
         """
@@ -383,7 +384,7 @@ BACKENDS = {"onnxruntime": OrtSession, "ort-openvino": OrtPluginSession, "openvi
 
 def default_threads() -> int:
     """Every core for each session, whatever the mode. ar and sd never run two sessions at once, so each should
-    have the whole CPU (sd with half the cores was 1.5-2x slower); Mirror-SD's draft and target then share the cores
-    (with spinning off, an idle session's threads sleep), which measured faster than splitting them: Qwen2.5-Coder
-    1.5B + 0.5B int4 on 2 cores, mirror 11.1 tok/s with 2 + 2 threads vs 10.1 with 1 + 1 (docs/performance.md)."""
+    have the whole CPU; Mirror-SD's draft and target then share the cores (with spinning off, an idle session's
+    threads sleep), which measured faster than splitting them on the 2-core machines tried
+    (docs/lab-notes/performance-log.md, Changes: every core for each session)."""
     return max(1, os.cpu_count() or 1)

@@ -2,14 +2,13 @@
 
 With a KV cache every draft step feeds a new input shape (the past grows by the tokens committed). OpenVINO's CPU
 plugin then allocates its outputs and the buffers it sized for the old shape anew, and the Python binding copies
-the outputs into new arrays; the old buffers go back to glibc's heap. None of this leaks: measured over three
-identical 10,000-token Mirror-SD runs in one process (docs/reliability.md), the bytes glibc reports in use were the
-same after each run (449 MiB), while its heaps held 550-610 MiB of free chunks whose pages stayed resident. Which of
+the outputs into new arrays; the old buffers go back to glibc's heap. None of this leaks: over repeated identical
+long Mirror-SD runs in one process the bytes glibc reports in use stayed the same after each run, while its heaps
+held hundreds of MiB of free chunks whose pages stayed resident (docs/reliability.md has the measurement). Which of
 those a later run could reuse depended on the timing of the two threads, so the RSS sometimes stayed flat and
-sometimes grew run after run (1732 -> 2073 -> 2517 MiB at 10k tokens). glibc gives memory back on ``free`` only from
-the top of a heap; ``malloc_trim(0)`` also releases every whole free page inside one (madvise), and nothing else
-changes: the allocations stay where they are, the released pages read as zero when reused. Once after such a run it
-brought the RSS from 1452 to 879 MiB.
+sometimes grew run after run. glibc gives memory back on ``free`` only from the top of a heap; ``malloc_trim(0)``
+also releases every whole free page inside one (madvise), and nothing else changes: the allocations stay where they
+are, the released pages read as zero when reused.
 
 So an OpenVINO session with dynamic shapes on the CPU trims every ``TRIM_EVERY`` calls: often enough that what a
 run frees cannot pile up, rarely enough that the trims cost little (the draft's time in them is reported by

@@ -8,8 +8,8 @@
 mirrorsd's computes a row's bits the same whatever the number of rows beside it, by construction, on every path.
 ONNX Runtime's does so at accuracy level 4 on the AVX-512 VNNI CPUs measured, not on an AVX2-only one: the pipeline
 measures it at the first speculative generation (devices/ort_kernel_check.py) and refuses sd/mirror where it is not
-(Pipeline.inexact_windows). The two kernels are not bitwise equal to each other, so compare modes within one choice. mirrorsd's is the faster (docs/performance.md: Qwen2.5-Coder 1.5B int4
-target forward 36 vs 47 ms for one row, 44 vs 89 ms for five, 2 threads on a Zen 4 core pair).
+(Pipeline.inexact_windows). The two kernels are not bitwise equal to each other, so compare modes within one
+choice. mirrorsd's is the faster, most of all for several-row windows (docs/lab-notes/performance-log.md, Changes).
 """
 from __future__ import annotations
 

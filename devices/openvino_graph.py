@@ -1,7 +1,7 @@
 """Load-time rewrites of an ONNX graph read by OpenVINO. The graph's inputs and outputs stay as docs/graphs.md says
 (a stateful model only hides its KV pairs inside the session); what changes is how OpenVINO's CPU plugin computes.
 
-Three rewrites, each measured by scripts/openvino_target.py (numbers in docs/performance.md):
+Three rewrites, each measured by scripts/lab/openvino_target.py (numbers in docs/lab-notes/performance-log.md):
 
 fused_attention     the attention subgraph (grouped, export/graphs/attention.py, or transformers' eager one)
                     -> one ScaledDotProductAttention op, which the plugin runs as its own attention kernel
@@ -10,10 +10,10 @@ make_stateful       past_key_values.* / present.* pairs -> state variables; with
 row_invariant_softmax
                     Softmax -> max, exp, a MatMul with ones for the sum, divide (for graphs that keep explicit KV)
 
-Batch invariance (ALGORITHM.md, "Losslessness"): a verification window of S rows attends to T = P + S key slots where
-one-row decoding attends to P + 1; the extra slots are masked and sit after the row's own. The plugin's Softmax sums
-a row in an order that depends on T (measured, OpenVINO 2026.4, AMD EPYC avx512: T 61 -> 65 changes a row by
-1.2e-7), and int8 dynamic quantization of the next MatMul's input amplifies that to 0.29 in the logits. Its MatMul
+Batch invariance (docs/algorithm.md, "Batch invariance"): a verification window of S rows attends to T = P + S key
+slots where one-row decoding attends to P + 1; the extra slots are masked and sit after the row's own. The plugin's
+Softmax sums a row in an order that depends on T (a rounding-level change), and int8 dynamic quantization of the
+next MatMul's input amplifies that to a visible logit difference. Its MatMul
 (brgemm) accumulates K in index order, so trailing zeros add nothing: the decomposed softmax gives the same bits for
 T and T + pad. Its stateful attention kernel computes each query row alone over that row's own slots: bitwise
 invariant with an f32, f16 or bf16 cache (not u8: see OpenVINOSession.trim_state).

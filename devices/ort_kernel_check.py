@@ -4,7 +4,8 @@ A target quantized with int8 activations (accuracy level 4, what a grouped-atten
 sd/mirror if each row of a verification window gets bitwise the logits that decoding it alone gets. mirrorsd's
 kernels (devices/kernels) are built that way on every path. ONNX Runtime's are measured: on AVX-512 VNNI CPUs (an
 AMD Zen 4, an Intel Xeon) its one-row and several-row paths agreed bit for bit; on an AVX2-only AMD EPYC they did not
-(a Qwen-shaped tiny target drifted by ~0.3 logits between a window and one-row decoding, and sd left ar's tokens).
+(a Qwen-shaped tiny target drifted visibly between a window and one-row decoding, and sd left ar's tokens;
+docs/platform-notes.md, ONNX Runtime).
 
 The check builds a one-node MatMulNBits graph by hand (no onnx package: the runtime does not need it), feeds the
 same random rows once as a batch and once one by one, and compares the bits, for 4- and 8-bit weights, with one

@@ -53,10 +53,9 @@ def auto_skips(label: str, report: DeviceReport) -> str:
     Mode auto overrides it from measurements: with cached profiles of the placements (``mirrorsd devices --profile``
     profiles every one, these included) it loads the one predicted fastest (runtime/planner/placement.py).
 
-    OpenVINO's CPU plugin is skipped on every CPU. On an Intel CPU its memory grew with every new input shape (a
-    2-layer draft: 5.3 GB at 4,000 tokens against 0.18 GB on ONNX Runtime, and 4x slower; issue 19); the bounded
-    runtime cache now keeps it flat, but it is not yet measured as fast as ONNX Runtime, and on AMD EPYC it was
-    1.35-2x slower for the draft (SmolLM2 8 layers: 23.7 vs 17.6 ms/token, 1 thread). Asked for explicitly, it runs.
+    OpenVINO's CPU plugin is skipped on every CPU. Its memory grew with every new input shape (docs/platform-notes.md,
+    OpenVINO); the bounded runtime cache now keeps it flat, but it has not measured as fast as ONNX Runtime for the
+    draft on the CPUs tried (docs/reliability.md, docs/lab-notes/performance-log.md). Asked for explicitly, it runs.
     """
     if label == "openvino:CPU":
         return "auto does not pick OpenVINO's CPU plugin (not measured as fast as ONNX Runtime here; ask for it " \
@@ -78,9 +77,9 @@ class DeviceRequest:
     draft_threads: int | None = None
     static_draft: bool = False  # run the fixed-shape draft graph even where the device does not need it
     # How the OpenVINO CPU plugin computes each model's graphs (ignored elsewhere), measured by
-    # scripts/openvino_target.py (docs/performance.md): the target's is the fastest setting that keeps sd/mirror
-    # equal to ar (stateful, fused attention, f16 cache: 22.8-23.2 decode tok/s vs 18.6-19.4 as exported, Qwen 1.5B
-    # int4, 2 threads); the draft's exactness does not matter and fusing its attention did not make it faster.
+    # scripts/lab/openvino_target.py (docs/lab-notes/performance-log.md, the int4 target on OpenVINO's CPU plugin):
+    # the target's is the fastest setting that keeps sd/mirror equal to ar (stateful, fused attention, f16 cache);
+    # the draft's exactness does not matter and fusing its attention did not make it faster.
     target_openvino: OpenVINOTuning = OpenVINOTuning(attention="fused", stateful=True, kv_precision="f16")
     draft_openvino: OpenVINOTuning = OpenVINOTuning(attention="as-exported")
     kernels: str = AUTO  # MatMulNBits on ONNX Runtime CPU: auto | mirrorsd | ort (devices/kernel_choice.py)

@@ -84,7 +84,7 @@ _lock = threading.Lock()
 
 
 def probe(refresh: bool = False) -> DeviceReport:
-    """Look at this machine once per process (the ORT tries cost ~10 ms each)."""
+    """Look at this machine once per process (each ONNX Runtime try creates a session)."""
     with _lock:
         if refresh:
             _probe.cache_clear()

@@ -5,10 +5,9 @@ With a pool per session, each ONNX Runtime session owns threads of its own, whic
 because Mirror-SD runs the draft's and the target's sessions at once on the same cores). A pipeline holds four to
 six CPU sessions (prefix, exit head, suffix, draft, ...) and ar and sd run them one after another, so each parallel
 section of each graph starts by waking sleeping threads. With one pool for all of them whose threads spin between
-calls, they do not sleep between the graphs of a step: on the int4 Qwen pair (2 cores, 48-token answers, three
-alternated rounds) ar measured 18.14 -> 20.68 tok/s (+14 %, every round) and sd 15.88 -> 16.87; sd, mirror and
-auto +14-22 % in two more rounds (docs/performance.md). Spinning threads of *separate* pools compete instead:
-per-session pools with spinning on were 1.9x slower.
+calls, they do not sleep between the graphs of a step, which made ar and sd faster on the 2-core machines
+measured (docs/performance.md). Spinning threads of *separate* pools compete instead, which made per-session pools
+with spinning on much slower (docs/lab-notes/performance-log.md, the shared thread pool).
 
 The pool is the process's, and ONNX Runtime holds a process to it: it takes the pool's size once, and once the pool
 exists it refuses to open a session with threads of its own ("use_per_session_threads must be false when using a

@@ -78,7 +78,7 @@ def gguf_to_hf_folder(gguf_path: str | os.PathLike[str], out_dir: str | os.PathL
                       progress: bool = True) -> Path:
     """Convert ``gguf_path`` into an fp32 Hugging Face folder at ``out_dir`` (which must not exist yet).
 
-    Loads with ``low_cpu_mem_usage`` (peak RSS is about 1.3x the fp32 weights: 9 GB for Qwen2.5-Coder-1.5B), writes
+    Loads with ``low_cpu_mem_usage`` (peak RSS is about 1.3x the fp32 weights), writes
     into a temporary folder beside ``out_dir`` and renames it into place. Raises :class:`ModelSourceError` if
     transformers cannot read the file, :class:`OutputFolderError` if ``out_dir`` exists or cannot be written.
     """

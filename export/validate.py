@@ -153,10 +153,11 @@ def require_all_passed(checks: list[Check]) -> None:
                               "report this with the model and options used; nothing was written")
 
 
-def model_logits(folder: Path, model: str, info, exit_layer: int, kv_specs: dict) -> tuple[np.ndarray, np.ndarray]:
-    """A model's logits on its validation batch from the files of ``folder`` (target: prefix -> suffix), one
-    session at a time; and the batch's mask. ``kv_specs``: role -> KVSpec."""
-    ids, mask, pos = sample_batch(info.vocab_size, SEEDS[model])
+def model_logits(folder: Path, model: str, info, exit_layer: int, kv_specs: dict,
+                 batch: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A model's logits on its validation batch (or ``batch``: ids, mask, positions) from the files of ``folder``
+    (target: prefix -> suffix), one session at a time; and the batch's mask. ``kv_specs``: role -> KVSpec."""
+    ids, mask, pos = batch or sample_batch(info.vocab_size, SEEDS[model])
     roles = (names.PREFIX, names.SUFFIX) if model == "target" else (names.DRAFT,)
     first = ids
     for role in roles:
@@ -166,6 +167,28 @@ def model_logits(folder: Path, model: str, info, exit_layer: int, kv_specs: dict
         first = next(iter(out.values()))
         del runner
     return first, mask
+
+
+TEXT_TOKENS = 128  # the real-text agreement reads the first tokens of the shipped text: seconds, not minutes
+
+
+def text_batch(tokenizer, info) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """One row of the shipped text's first tokens (ids, mask, positions), or None without a usable tokenizer."""
+    from mirrorsd.data import EVAL_TEXT
+
+    if tokenizer is None:
+        return None
+    ids = list(tokenizer(EVAL_TEXT.read_text(encoding="utf-8"))["input_ids"])[:min(TEXT_TOKENS,
+                                                                                  info.max_position_embeddings)]
+    if len(ids) < 2 or max(ids) >= info.vocab_size:
+        return None
+    ids = np.asarray([ids], np.int64)
+    return ids, np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None]
+
+
+def text_agreement(model: str, before: np.ndarray, after: np.ndarray) -> dict[str, float]:
+    """Top-1 agreement of quantized with fp32 logits [1, S, vocab] on the shipped text."""
+    return {f"{model}_quant_text_top1_agreement": float(np.mean(np.argmax(before, -1) == np.argmax(after, -1)))}
 
 
 def quantization_effect(model: str, before: np.ndarray, after: np.ndarray, mask: np.ndarray) -> dict[str, float]:

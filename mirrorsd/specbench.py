@@ -1,7 +1,9 @@
 """SpecBench questions, read in one place for the bench and for every trainer, and the hold-out rule they share.
 
     file      question.jsonl: one JSON object a line with question_id, category and turns; the first turn is the
-              prompt (default: shared/data/spec_bench/question.jsonl beside the project, or $MIRRORSD_SPEC_BENCH)
+              prompt. Default: $MIRRORSD_SPEC_BENCH if set, else the copy shipped inside the package
+              (mirrorsd/data/spec_bench/question.jsonl, Apache-2.0, see the README beside it); any other file of
+              that shape through --questions PATH (bench) or --prompts PATH (trainers)
     hold-out  the first HOLDOUT = 5 questions of every category, in file order, are held out: a trainer never trains
               on them (mirrorsd-train-draft scores the draft on them before and after), and ``mirrorsd bench``
               takes its prompts from the first --per-category (default 2) of every category. So with
@@ -12,15 +14,17 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from mirrorsd.errors import ExportOptionError, GenerationInputError
 
 HOLDOUT = 5  # questions held out at the start of every category (see the module docstring)
-# SpecBench's short-prompt categories. summarization and rag prompts run to ~800 tokens: their fp32 prefill alone
-# costs about a minute per prompt and mode on 2 cores, so they are opt-in (--categories) on machines like this one.
+# SpecBench's short-prompt categories. summarization and rag prompts run to hundreds of tokens: on a small CPU their
+# prefill dominates a short benchmark run, so they are opt-in (--categories).
 DEFAULT_CATEGORIES = ("writing", "coding", "reasoning", "math_reasoning", "qa", "translation")
 FIELDS = ("question_id", "category", "turns")
+ENV = "MIRRORSD_SPEC_BENCH"  # another default question file (a path)
 
 
 class QuestionFileError(GenerationInputError, ExportOptionError):
@@ -35,16 +39,23 @@ class Question:
     text: str  # the first turn
 
 
+def shipped_path() -> Path:
+    """The SpecBench question file installed with the package."""
+    return Path(str(resources.files("mirrorsd") / "data" / "spec_bench" / "question.jsonl"))
+
+
 def default_path() -> Path:
-    env = os.environ.get("MIRRORSD_SPEC_BENCH")
-    candidates = [Path(env)] if env else []
-    here = Path(__file__).resolve()
-    candidates += [p / "shared" / "data" / "spec_bench" / "question.jsonl" for p in here.parents]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise QuestionFileError("SpecBench questions not found", "no question.jsonl beside the project",
-                            "pass --questions PATH (bench) or --prompts PATH (trainer), or set MIRRORSD_SPEC_BENCH")
+    """$MIRRORSD_SPEC_BENCH when set, else the shipped copy."""
+    env = os.environ.get(ENV)
+    path = Path(env) if env else shipped_path()
+    if path.is_file():
+        return path
+    flags = "pass --questions PATH (bench) or --prompts PATH (trainer)"
+    if env:
+        raise QuestionFileError("SpecBench questions not found", f"${ENV} names '{path}', which is not a file",
+                                f"{flags}, or point ${ENV} at a question.jsonl")
+    raise QuestionFileError("SpecBench questions not found", f"the installed copy '{path}' is missing",
+                            f"reinstall mirrorsd, or {flags}")
 
 
 def read(path: Path | None = None, flag: str = "--questions") -> list[Question]:
@@ -52,10 +63,10 @@ def read(path: Path | None = None, flag: str = "--questions") -> list[Question]:
     the file, for the error message."""
     path = default_path() if path is None else Path(path)
     fix = f"pass {flag} PATH to a SpecBench question.jsonl"
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise QuestionFileError(f"Cannot read the questions file '{path}'", str(exc), fix) from None
+    from mirrorsd.user_files import QUESTIONS_LIMIT, read_text
+
+    lines = read_text(path, QUESTIONS_LIMIT, lambda why: QuestionFileError(
+        f"Cannot read the questions file '{path}' ({flag})", why, fix)).splitlines()
     questions = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -64,6 +75,8 @@ def read(path: Path | None = None, flag: str = "--questions") -> list[Question]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             row, why = None, f"line {number} is not JSON ({exc.msg})"
+        except RecursionError:
+            row, why = None, f"line {number} is JSON nested too deeply"
         else:
             why = f"line {number} lacks {', '.join(FIELDS[:-1])} or {FIELDS[-1]}"
         if not (isinstance(row, dict) and set(FIELDS) <= set(row) and isinstance(row["turns"], list)

@@ -26,6 +26,9 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndar
 def check_batch(prompts: list[list[int]], max_new_tokens: int, context_limit: int | None = None) -> None:
     """Non-empty prompts and max_new_tokens >= 1; with ``context_limit``, the longest prompt plus max_new_tokens
     within it."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise GenerationInputError(f"max_new_tokens must be an int, not {type(max_new_tokens).__name__}",
+                                   "it counts the tokens to generate", "pass an int >= 1, or None")
     if not prompts or any(not p for p in prompts) or max_new_tokens < 1:
         raise GenerationInputError("generate_batch needs non-empty prompts and max_new_tokens >= 1",
                                    "there is nothing to generate", "check the arguments")

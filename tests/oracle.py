@@ -1,4 +1,4 @@
-"""The tie-aware token oracle (ALGORITHM.md, "Losslessness").
+"""The tie-aware token oracle (docs/algorithm.md, "The near-tie rule and the tie-aware oracle").
 
 Two greedy token sequences must be identical. The one exception: at the first position where they differ, the
 reference's top-1/top-2 logit margin is below TIE_MARGIN, i.e. a floating-point near-tie that another summation

@@ -1,4 +1,4 @@
-"""Batch invariance of the target (ALGORITHM.md, Losslessness (a)): a row's logits are bitwise the same whether the
+"""Batch invariance of the target (docs/algorithm.md, Batch invariance): a row's logits are bitwise the same whether the
 target decodes it alone (``ar``) or inside a verification window (``sd``/``mirror``), in fp32 and quantized.
 
 The model is wide enough (hidden 256) for int8 activation re-quantization to turn rounding differences into whole

@@ -77,7 +77,7 @@ BROKEN_CUDA = machine(ort_listed=("CUDAExecutionProvider", "CPUExecutionProvider
                       ort_failures=(("CUDAExecutionProvider", "no driver"),))
 # (machine, model, static draft in the folder, expected device, fell back, static). "Fell back" (a warning) only
 # when a device that is here could not take the graph; skipping absent devices, or OpenVINO's CPU plugin (which
-# auto does not pick, issue 19), is the expected case.
+# auto does not pick, devices/placement.auto_skips), is the expected case.
 SCENARIOS = [
     (BARE, "target", False, "cpu", False, False),
     (BARE, "draft", False, "cpu", False, False),

@@ -237,3 +237,33 @@ def test_a_sparse_exit_reweights_the_drafts_candidates():
     order = lambda ranked: [(b.depth, b.token) for b in ranked if b.depth == 1]  # noqa: E731
     assert order(alone) == [(1, 5), (1, 4)]
     assert order(peaked) == [(1, 4), (1, 5)]  # the exit says: if 6 is rejected at depth 1, the target says 4
+
+
+def test_exit_sweep_command_writes_what_export_reads(tmp_path, tiny_model, capsys):
+    """mirrorsd-exit-sweep on a tiny model: the table, and a --json that mirrorsd-export --exit-hits accepts."""
+    from mirrorsd.export.early_exit import sweep
+    from mirrorsd.export.streaming.data import Sample, save_samples
+    from mirrorsd.runtime.planner.exit_layer import read_hits
+    from tiny_models import VOCAB
+
+    rng = np.random.default_rng(0)
+    answers = tmp_path / "exit_training"
+    answers.mkdir()
+    for kind, count in (("train", 6), ("eval", 3)):
+        save_samples(answers / f"distill-{kind}-8.jsonl",
+                     [Sample(f"{kind}{i}", rng.integers(3, VOCAB, 5).tolist(), rng.integers(3, VOCAB, 8).tolist())
+                      for i in range(count)])
+    out = tmp_path / "sweep.json"
+    model = tiny_model("llama", layers=4)
+    argv = [str(model), str(answers), "--layers", "1,2,3", "--rank", "4", "--epochs", "1", "--threads", "1",
+            "--json", str(out)]
+    assert sweep.main(argv) == 0
+    assert "| 2 | 0.50 |" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["layers"] == 4 and record["rows"] == [48, 24] and [r["layer"] for r in record["results"]] == [1, 2, 3]
+    hits, swept = read_hits(record, 4, "trained")
+    assert swept == 4 and set(hits) == {1, 2, 3} and all(0 <= h <= 1 for h in hits.values())
+    assert sweep.main([str(model), str(tmp_path), "--json", str(tmp_path / "never.json")]) == 2  # no answers there
+    assert "distill-train" in capsys.readouterr().err and not (tmp_path / "never.json").exists()
+    assert sweep.main([str(model), str(answers), "--layers", "4"]) == 2  # past the last layer
+    assert "out of range" in capsys.readouterr().err

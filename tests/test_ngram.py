@@ -99,17 +99,28 @@ def test_proposer_windows_and_one_hot_q():
 REPEATS = [[1, 17, 42, 99, 7, 1, 17, 42, 99], [3, 4, 5, 3, 4, 5, 3, 4]]
 
 
-@pytest.fixture(scope="module")
-def pipe(tmp_path_factory):
-    """A memoryless tiny llama (tiny_models.build_model): its greedy text runs into a cycle within a few dozen
-    tokens, so lookups match; a random model's text hardly ever repeats. The draft is its first 2 layers."""
+def memoryless_pipeline(folder, draft_layers):
     from mirrorsd.export.pipeline import ExportOptions, export
     from mirrorsd.runtime import Pipeline
     from tiny_models import build_model
 
-    folder = tmp_path_factory.mktemp("ngram")
-    export(ExportOptions(model=build_model(folder / "hf", memoryless=True), output=folder / "out", draft_layers=2))
-    with Pipeline.load(folder / "out") as loaded:
+    export(ExportOptions(model=build_model(folder / "hf", memoryless=True), output=folder / "out",
+                         draft_layers=draft_layers))
+    return Pipeline.load(folder / "out")
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    """A memoryless tiny llama (tiny_models.build_model): its greedy text runs into a cycle within a few dozen
+    tokens, so lookups match; a random model's text hardly ever repeats. The draft is its first 2 layers."""
+    with memoryless_pipeline(tmp_path_factory.mktemp("ngram"), 2) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def same_pipe(tmp_path_factory):
+    """The memoryless model with a draft equal to it (every window the text's own continuation)."""
+    with memoryless_pipeline(tmp_path_factory.mktemp("ngram-same"), 4) as loaded:
         yield loaded
 
 
@@ -155,12 +166,37 @@ def test_sd_with_lookup_drafts_the_same_windows_in_fewer_forwards(streaming, pip
     assert fewer, "some guess must have saved a draft forward"
 
 
+@pytest.mark.parametrize("kind", ["truncated", "same"])
+def test_mirror_with_lookup_drafts_the_same_windows(kind, pipe, same_pipe):
+    """Mirror's fresh windows (the first one, and misses) take the lookup's guess as lookahead; with the cap budget
+    (every branch rolled out before the verdict, deterministic) the windows are the same as without it, the
+    forwards no more. A miss is where the draft left the target's text, so the guesses save forwards where the draft
+    follows the text (the same draft), hardly ever after a miss of the truncated one."""
+    pipe = same_pipe if kind == "same" else pipe
+    fewer = False
+    for prompt in PROMPTS + REPEATS:
+        base = GenerationConfig(mode="mirror", max_new_tokens=NEW, gamma=4, branch_budget="cap", branches=2)
+        plain = pipe.generate(prompt, base)
+        looked = pipe.generate(prompt, GenerationConfig(**{**base.__dict__, "ngram": True}))
+        assert looked.tokens == plain.tokens
+        assert (looked.stats.steps, looked.stats.drafted, looked.stats.accepted, looked.stats.reused) == \
+            (plain.stats.steps, plain.stats.drafted, plain.stats.accepted, plain.stats.reused)
+        assert looked.stats.draft_forwards <= plain.stats.draft_forwards
+        fewer |= looked.stats.draft_forwards < plain.stats.draft_forwards
+        time_budget = pipe.generate(prompt, GenerationConfig(**{**base.__dict__, "ngram": True,
+                                                                "branch_budget": "time"}))
+        assert time_budget.tokens == plain.tokens
+    if kind == "same":
+        assert fewer, "some guess must have saved a draft forward"
+
+
 def test_identical_draft_with_lookup(exported, pipelines):
     pipe = pipelines(exported("llama", draft_layers=4))  # a draft equal to the target: every window accepted
     for prompt in PROMPTS + REPEATS:
         ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW))
-        out = pipe.generate(prompt, GenerationConfig(mode="sd", ngram=True, max_new_tokens=NEW, gamma=3))
-        assert out.tokens == ar.tokens and out.stats.acceptance_rate == 1.0
+        for mode in ("sd", "mirror"):
+            out = pipe.generate(prompt, GenerationConfig(mode=mode, ngram=True, max_new_tokens=NEW, gamma=3))
+            assert out.tokens == ar.tokens and out.stats.acceptance_rate == 1.0
 
 
 @pytest.mark.parametrize("kw", [dict(ngram_min=0), dict(ngram_min=3, ngram_max=2), dict(ngram_max=17),
@@ -233,3 +269,102 @@ def test_the_copy_case_rejects_a_wrong_rule(wrong, pipe, copy_case, monkeypatch)
     samples = copied_window_samples(pipe, prompt, range(800_000, 800_000 + RUNS))[0]
     p = gof_pvalue(samples, reference)
     assert p < ALPHA, f"{wrong.__name__} passed the distribution test with copied windows: p = {p:.2e}"
+
+
+# ---- the planner: replay, latency model, auto ----------------------------------------------------------------
+def simulate_ngram_mode(text, start, gamma):
+    """Mode ngram's steps on a known text, written plainly: (tokens committed, steps by verified rows)."""
+    widths, tokens, at = [0] * (gamma + 1), 0, start
+    while True:
+        proposal = index_of(text[:at]).lookup(gamma)
+        if at + len(proposal) >= len(text):
+            return tokens, tuple(widths)  # the text does not decide this step yet
+        matched = 0
+        while matched < len(proposal) and proposal[matched] == text[at + matched]:
+            matched += 1
+        widths[len(proposal)] += 1
+        tokens += matched + 1
+        at += matched + 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_replay_equals_a_plain_simulation(seed):
+    from mirrorsd.runtime.planner.lookup import LookupReplay
+
+    rng = np.random.default_rng(seed)
+    text = rng.integers(0, 5 + seed, 160).tolist()
+    prompt = 12
+    replay = LookupReplay(6)
+    replay.start(text[:prompt], text[prompt])
+    end = prompt + 1
+    while end < len(text):  # the committed text grows by steps of 1 .. 5 tokens
+        end = min(len(text), end + int(rng.integers(1, 6)))
+        replay.follow(text[:end])
+    for g in range(1, 7):
+        counts = replay.counts(g)
+        assert (counts.tokens, counts.widths) == simulate_ngram_mode(text, prompt + 1, g), g
+        assert counts.windows == counts.steps - counts.widths[0]
+
+
+def test_latency_ranks_ngram_from_its_replay():
+    from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts, Strategy, predict, rank
+    from mirrorsd.runtime.planner.lookup import LookupCounts
+
+    costs = SplitCosts(target_threads=2, draft_threads=2, verify_s=(0.010, 0.011, 0.012, 0.013), exit_s=(0.0,) * 4,
+                       draft1_s=0.005, branch_fwd_s=0.006, branch_batch=2)
+    # at g = 2: 10 steps, 4 of one row, 6 verifying a 2-token window (3 rows), committing 22 tokens
+    lookup = (LookupCounts(9, (7, 1)), LookupCounts(22, (4, 0, 6)), LookupCounts(3, (1, 0, 0, 1)))
+    acceptance = Acceptance(0.0, 0.0, source="test", lookup=lookup)
+    row = predict(costs, Strategy("ngram", 2), acceptance)
+    assert row.tokens_per_step == pytest.approx(2.2)
+    assert row.step_s == pytest.approx((4 * 0.010 + 6 * 0.012) / 10)
+    table = rank([costs], acceptance)
+    assert table.best.strategy.mode == "ngram" and table.best.strategy.gamma == 2
+    assert {r.strategy.gamma for r in table.rows if r.strategy.mode == "ngram"} == {1, 2}  # g = 3: 2 steps, < 8
+    assert all(r.strategy.mode != "ngram" for r in rank([costs], Acceptance(0.0, 0.0)).rows)
+
+
+def test_auto_switches_to_ngram_when_its_replay_pays(pipe):
+    """Auto told the draft is useless starts (and would stay) in ar; the text runs into a cycle, the replay
+    finds that copied windows pay where a window costs what a row costs, and auto switches to ngram. Output = ar's."""
+
+    from mirrorsd.runtime.decoder import DecodeSettings, decode
+    from mirrorsd.runtime.planner.auto import AutoProposer
+    from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts
+    from mirrorsd.runtime.planner.planner import concrete
+
+    costs = SplitCosts(target_threads=pipe.threads[0], draft_threads=pipe.threads[1], verify_s=(0.010,) * 7,
+                       exit_s=(0.001,) * 7, draft1_s=0.005, branch_fwd_s=0.006, branch_batch=2)
+    config = GenerationConfig(max_new_tokens=120)
+    proposer = AutoProposer(lambda s: pipe._proposer(concrete(config, s)), costs,
+                            Acceptance(0.0, 0.0, source="test"), context=0, new_tokens=120)
+    prompt = [1, 17, 42, 99, 7]
+    settings = DecodeSettings(120, pipe.manifest.tokenizer.eos_token_ids, pipe.context_limit, costs.max_gamma)
+    try:
+        outcome = decode(pipe.target, proposer, prompt, settings)
+    finally:
+        proposer.close()
+    ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=120))
+    assert outcome.tokens == ar.tokens
+    assert proposer.first.strategy.mode == "ar"
+    assert [s.new.split()[0] for s in proposer.switches][:1] == ["ngram"], proposer.report()
+    assert "lookup replay" in proposer.switches[0].reason
+    assert outcome.counters.accepted > 0  # copied windows were verified and accepted
+
+
+def test_bench_report_has_lookup_rates_per_category():
+    from types import SimpleNamespace
+
+    from mirrorsd.apps.bench_report import _lookup_lines
+
+    def run(category, mode, steps, windows, drafted, accepted):
+        stats = dict(steps=steps, windows=windows, drafted=drafted, accepted=accepted)
+        return SimpleNamespace(category=category, mode=mode, stats=stats)
+
+    result = SimpleNamespace(runs=[run("coding", "ngram", 10, 4, 12, 6), run("qa", "ngram", 20, 0, 0, 0),
+                                   run("coding", "ar", 30, 0, 0, 0)])
+    lines = _lookup_lines(result, ["coding", "qa"])
+    assert "| coding | 10 | 0.40 | 0.50 | 1.60 |" in lines
+    assert "| qa | 20 | 0.00 | 0.00 | 1.00 |" in lines
+    assert "| all | 30 | 0.13 | 0.50 | 1.20 |" in lines
+    assert _lookup_lines(SimpleNamespace(runs=[run("qa", "ar", 5, 0, 0, 0)]), ["qa"]) == []

@@ -220,14 +220,10 @@ def test_plan_prints_the_exit_layer_table(tmp_path, capsys):
 
 
 def test_exit_layer_sweep_suggests_the_latency_models_layer(tmp_path):
-    """scripts/exit_layer_sweep.py's suggestion is the latency model's best layer (no heuristic)."""
-    import importlib.util
-
+    """mirrorsd-exit-sweep's suggestion is the latency model's best layer (no heuristic)."""
     pytest.importorskip("torch")
-    script = Path(__file__).resolve().parent.parent / "scripts" / "exit_layer_sweep.py"
-    spec = importlib.util.spec_from_file_location("exit_layer_sweep", script)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    from mirrorsd.export.early_exit import sweep
+
     data = json.loads((DOCS / "rtx4060-laptop-npu.json").read_text())
     split = data["splits"][0]
     data["splits"] = [{**split, "prefix_s": [v / 2 for v in split["verify_s"]], "detail": {"exit_layer": 24}}]

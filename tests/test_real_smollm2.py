@@ -59,7 +59,7 @@ def test_speculative_modes_equal_ar_on_smollm2(smollm2, pipelines):
             out = pipe.generate(prompt, GenerationConfig(mode=mode, max_new_tokens=NEW))
             parity = check_tokens(ar.tokens, out.tokens, ar.margins)
             assert parity.identical, f"{mode}: near-tie at {parity.tie_at}"
-            # 24 of 30 layers agree with the full model on ~34 % of tokens (ENVIRONMENT.md); per drafted token of a
+            # 24 of 30 layers agree with the full model on ~34 % of tokens (docs/platform-notes.md, Hardware facts behind the design); per drafted token of a
             # 4-token window that is 0.15-0.35 here, while an unrelated draft accepts ~0
             assert out.stats.acceptance_rate > 0.08
 

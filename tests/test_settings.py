@@ -114,3 +114,34 @@ def test_a_bad_question_file_is_an_error_of_the_bench_and_of_the_trainer(tmp_pat
         assert flag in str(info.value)
     with pytest.raises(specbench.QuestionFileError, match="Cannot read"):
         specbench.read(tmp_path / "missing.jsonl")
+
+
+def test_the_shipped_specbench_questions_load_and_are_package_data(monkeypatch):
+    monkeypatch.delenv(specbench.ENV, raising=False)
+    path = specbench.default_path()
+    assert path == specbench.shipped_path() and (path.parent / "LICENSE").is_file()  # the licence travels with it
+    questions = specbench.read()
+    assert len(questions) == 480 and len({q.question_id for q in questions}) == 480
+    prompts = specbench.first_per_category(questions, (), specbench.HOLDOUT)
+    assert [q.category for q in prompts] == [c for c in specbench.DEFAULT_CATEGORIES for _ in range(specbench.HOLDOUT)]
+    import tomllib  # a wheel ships only what package-data lists
+
+    config = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    shipped = config["tool"]["setuptools"]["package-data"]["mirrorsd"]
+    assert {"data/spec_bench/question.jsonl", "data/spec_bench/LICENSE"} <= set(shipped)
+
+
+def test_bench_questions_flag_and_the_environment_override(tmp_path, monkeypatch):
+    from mirrorsd.apps.cli import bench_options, build_parser
+
+    mine = write(tmp_path / "mine.jsonl", [{"question_id": "x", "category": "qa", "turns": ["Why?"]}])
+    args = build_parser().parse_args(["bench", "--model", str(tmp_path), "--questions", str(mine)])
+    options = bench_options(args)
+    assert options.questions == mine and [q.text for q in specbench.read(options.questions)] == ["Why?"]
+    default = bench_options(build_parser().parse_args(["bench", "--model", str(tmp_path)]))
+    assert default.questions is None  # read() then takes default_path()
+    monkeypatch.setenv(specbench.ENV, str(mine))
+    assert [q.question_id for q in specbench.read(default.questions)] == ["x"]
+    monkeypatch.setenv(specbench.ENV, str(tmp_path / "nowhere.jsonl"))
+    with pytest.raises(specbench.QuestionFileError, match="MIRRORSD_SPEC_BENCH"):
+        specbench.read()

@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
               help="the new export folder (its exit_training/ keeps the target's answers for a re-run)")
     flags.add(io, T, "force", help="replace an export already in --output")
     dat = parser.add_argument_group("data")
-    flags.add(dat, T, "prompts", type=Path, help="SpecBench question.jsonl (default: the project's shared copy)")
+    flags.add(dat, T, "prompts", type=Path,
+              help="a SpecBench-shaped question.jsonl (default: $MIRRORSD_SPEC_BENCH, else the copy "
+                   "shipped with mirrorsd)")
     flags.add(dat, T, "train_prompts", type=int, help="training questions (0: all of them)")
     flags.add(dat, T, "eval_prompts", help="held-out questions scored before and after")
     flags.add(dat, T, "holdout", help="the first N questions of every category are never trained on")

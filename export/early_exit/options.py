@@ -11,7 +11,7 @@ from mirrorsd.specbench import HOLDOUT
 class ExitTrainOptions:
     model: Path  # an export folder (mirrorsd-export): read only
     output: Path  # the new export folder: a copy with the trained exit_head.onnx (and exit_sparse.onnx)
-    prompts: Path | None = None  # SpecBench question.jsonl (default: the project's shared copy)
+    prompts: Path | None = None  # SpecBench question.jsonl (default: specbench.default_path())
     train_prompts: int | None = 64  # None: every training question
     eval_prompts: int = 16  # held-out questions scored before and after
     holdout: int = HOLDOUT  # the first N questions of every category are never trained on (mirrorsd.specbench)
@@ -29,3 +29,14 @@ class ExitTrainOptions:
     threads: int | None = None
     force: bool = False
     progress: bool = True
+
+
+def limits() -> dict:
+    """The range of every numeric option (mirrorsd/ranges.py), checked before anything is read or loaded."""
+    from mirrorsd.ranges import SEED, Range, threads
+
+    return {"train_prompts": Range(1), "eval_prompts": Range(1), "holdout": Range(1),
+            "max_prompt_tokens": Range(1, 2**20), "max_new_tokens": Range(1, 2**20),
+            "generation_batch": Range(1, 1024), "prompt_rows": Range(0, 2**20), "rank": Range(1, 2**16),
+            "epochs": Range(1, 10**6), "batch": Range(1, 2**24), "lr": Range(0, 10, above=True), "seed": SEED,
+            "max_minutes": Range(0, 10**7, above=True), "threads": threads()}

@@ -6,15 +6,15 @@
     weights = softmax(scores * scale + mask)          mask [B, 1, S, T] additive, broadcast over the G heads
     output  = weights @ value    [B, KVH, G*S, D] -> [B, S, H, D]
 
-Why not transformers' eager attention: batch invariance (ALGORITHM.md, Losslessness). A verification window runs
+Why not transformers' eager attention: batch invariance (docs/algorithm.md, Batch invariance). A verification window runs
 gamma + 1 query rows where target-only decoding runs one. Eager attention then multiplies [H, 1, D] x [H, D, T]
 in one-row decoding, and ONNX Runtime's MLAS takes its one-row (GEMV) kernel for M = 1 and its GEMM kernel for
-M > 1, which sum in different orders: a row's logits then depend on the window around it (measured: 1e-5 to 1e-4
-per op, amplified to 0.28 logits by int8 re-quantization of the next MatMulNBits input). Grouped, every GEMM has
+M > 1, which sum in different orders: a row's logits then depend on the window around it (rounding-level per op,
+amplified to whole logit differences by int8 re-quantization of the next MatMulNBits input). Grouped, every GEMM has
 M = G*S >= 2 rows, and MLAS's GEMM computes each row the same way whatever M is; a window's extra key slots are
-masked (weight exactly 0) and sit after the row's own slots, which adds exact zeros at the end of each sum. Measured
-with single-node graphs on ONNX Runtime 1.32 (scripts/window_invariance.py checks the whole target): bitwise equal
-rows for G in {2, 3, 4, 6}, S = 1 vs 5, T up to 4k. A model without grouped heads (G = 1) gets one extra all-zero
+masked (weight exactly 0) and sit after the row's own slots, which adds exact zeros at the end of each sum. Checked
+with single-node graphs on ONNX Runtime (several group sizes, one row against five, long contexts;
+scripts/lab/window_invariance.py checks a whole target). A model without grouped heads (G = 1) gets one extra all-zero
 query row, so that M >= 2 there too. It also reads each KV head once instead of copying it G times (repeat_kv).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     hidden_states [B, S, H] -> norm -> lm_head -> log_softmax -> top-k
         -> topk_ids [B, S, k] int64, topk_logprobs [B, S, k] float32
-No trained head: the target's own final norm and LM head are reused (ALGORITHM.md, interpretation 5).
+No trained head: the target's own final norm and LM head are reused (docs/algorithm.md, Interpretations, 5).
 """
 from __future__ import annotations
 

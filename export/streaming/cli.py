@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(streams, T, "lora_alpha")
     dat = parser.add_argument_group("data (the target's greedy answers, cached in OUTPUT)")
     flags.add(dat, T, "prompts", type=Path,
-              help="SpecBench question.jsonl (default: the project's shared copy, or $MIRRORSD_SPEC_BENCH)")
+              help="a SpecBench-shaped question.jsonl (default: $MIRRORSD_SPEC_BENCH, else the copy "
+                   "shipped with mirrorsd)")
     flags.add(dat, T, "train_prompts", type=int, help="training questions (0: all of them)")
     flags.add(dat, T, "eval_prompts", help="held-out questions scored before and after")
     flags.add(dat, T, "holdout",

@@ -15,8 +15,9 @@ class TrainOptions:
     draft: Path
     target: Path
     output: Path
-    prompts: Path | None = None  # SpecBench question.jsonl (default: the project's shared copy)
-    streams: int = 2  # the paper's n_s (ALGORITHM.md); a g-token window needs >= 1 + ceil((g-1)/(n+1)) forwards
+    prompts: Path | None = None  # SpecBench question.jsonl (default: specbench.default_path())
+    streams: int = 2  # n_s (docs/algorithm.md, Streaming drafts): a g-token window takes >= 1 + ceil((g-1)/(n+1))
+    #                   forwards
     stream_layers: int = 4
     method: str = "lora"
     lora_rank: int = 16
@@ -40,3 +41,16 @@ class TrainOptions:
     resume: bool = False
     force: bool = False
     progress: bool = True
+
+
+def limits() -> dict:
+    """The range of every numeric option (mirrorsd/ranges.py), checked before anything is read or loaded."""
+    from mirrorsd.ranges import SEED, Range, threads
+
+    return {"streams": Range(1, 64), "stream_layers": Range(1, 2**16), "lora_rank": Range(1, 2**16),
+            "lora_alpha": Range(0, 10**6, above=True), "train_prompts": Range(1), "eval_prompts": Range(1),
+            "holdout": Range(1), "max_prompt_tokens": Range(1, 2**20), "max_new_tokens": Range(2, 2**20),
+            "generation_batch": Range(1, 1024), "epochs": Range(0, 10**6, above=True), "max_steps": Range(1),
+            "max_minutes": Range(0, 10**7, above=True), "lr": Range(0, 10, above=True),
+            "warmup_steps": Range(0), "anchors": Range(1, 2**16), "grad_accum": Range(1, 2**20),
+            "save_every": Range(0), "seed": SEED, "threads": threads()}

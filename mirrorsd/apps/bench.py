@@ -41,6 +41,8 @@ class BenchOptions:
     baseline_threads: int | None = None  # also run ar alone with this many threads per session ("ar-Nt")
     peer_target: Path | None = None  # HF folders for the peer modes (default: the export's sources)
     peer_draft: Path | None = None
+    peer_target_gguf: Path | None = None  # GGUFs for the llama-* modes (default: the ones the HF folders came from)
+    peer_draft_gguf: Path | None = None
     bandwidth: bool = True  # measure the memory-bandwidth ceiling of ar in the same run
     native_library: Path | None = None  # libmirrorsd for the c-* modes (default: built into the mirrorsd cache)
     kernels: str = "auto"  # MatMulNBits on ONNX Runtime CPU: auto | mirrorsd | ort (devices/kernel_choice.py)
@@ -72,6 +74,7 @@ class BenchResult:
 VARIANTS = {  # bench mode name -> GenerationConfig fields
     **{mode: {"mode": mode} for mode in (*MODES, AUTO)},  # auto: the mode the latency model picks (its why: stats)
     "sd-ngram": {"mode": "sd", "ngram": True},  # sd whose draft checks a prompt-lookup guess as lookahead
+    "mirror-ngram": {"mode": "mirror", "ngram": True},  # the same for mirror's fresh windows (misses)
     "mirror-noexit": {"mode": "mirror", "exit_head": False},  # draft runner-ups only: no exit-head pass
     "mirror-cap": {"mode": "mirror", "branch_budget": "cap"},  # every step rolls out all branches
     # more branches per step in wider batches (3 rows cost little more than 2 for a bandwidth-bound int4 draft)
@@ -106,12 +109,20 @@ def variant(mode: str) -> dict:
 
 
 def check_options(options: BenchOptions) -> None:
-    """What can be checked before anything loads: the modes."""
+    """What can be checked before anything loads: the modes, and every number (the generation settings through
+    GenerationConfig's own check, counts and threads in their ranges)."""
+    from mirrorsd import ranges
+
     if not options.modes:
         raise GenerationInputError("--modes names no mode", "a bench compares modes; the list was empty",
                                    "pass for example --modes ar,sd,mirror")
     for mode in options.modes:
         variant(mode)
+    ranges.check(options, {"per_category": ranges.Range(1), "target_threads": ranges.threads(),
+                           "draft_threads": ranges.threads(), "baseline_threads": ranges.threads()},
+                 GenerationInputError)
+    GenerationConfig(max_new_tokens=options.max_new_tokens, gamma=options.gamma, branches=options.branches,
+                     branch_batch=options.branch_batch).check()
 
 
 def run_bench(options: BenchOptions, progress=True) -> BenchResult:
@@ -289,7 +300,8 @@ def _peer_passes(options: BenchOptions, modes: list[str], questions: list[Questi
         target=hf_folder(options.peer_target or manifest.target.source, "target"),
         draft=hf_folder(options.peer_draft or manifest.draft.source, "draft"),
         target_precision=str(precisions.get("target_precision") or "fp32"),
-        draft_precision=str(precisions.get("draft_precision") or "fp32"))
+        draft_precision=str(precisions.get("draft_precision") or "fp32"),
+        target_gguf=options.peer_target_gguf, draft_gguf=options.peer_draft_gguf)
     eos = tuple(manifest.tokenizer.eos_token_ids)
     for family, family_modes in families(modes).items():
         peer = open_peer(family, family_modes, models, eos, progress)
@@ -347,10 +359,33 @@ def classify_parity(reference: list[int], tokens: list[int], margins: list[float
     return "identical" if len(reference) == len(tokens) else "DIFFERENT"
 
 
+# CPU features that decide which kernels a decoder (ours or a peer's) can use
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_facts(cpuinfo: str | None = None) -> dict:
+    """The CPU's model name and which of CPU_FLAGS it has, from /proc/cpuinfo (``cpuinfo``: its text, for tests)."""
+    import platform
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            cpuinfo = ""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first processor's
+    present = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name") or platform.processor() or "unknown",
+            "cpu_flags": " ".join(f for f in CPU_FLAGS if f in present) or "none of " + " ".join(CPU_FLAGS)}
+
+
 def _machine() -> dict:
     import platform
 
     import onnxruntime
 
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "onnxruntime": onnxruntime.__version__,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {**cpu_facts(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "onnxruntime": onnxruntime.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}

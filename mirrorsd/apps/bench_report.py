@@ -9,8 +9,10 @@ from pathlib import Path
 from mirrorsd.apps.bench import BenchResult, own_threads
 from mirrorsd.apps.peers import is_peer_mode
 
-COLUMNS = ("mode", "tok/s", "speedup", "mean accepted", "acceptance", "reuse", "overlap", "draft fwd/window",
-           "parity")
+# tok/s: new tokens / wall time of the whole call (end to end); decode tok/s: 1 / time per output token after the
+# first (new tokens - 1) / (wall - time to first token)
+COLUMNS = ("mode", "tok/s", "decode tok/s", "speedup", "mean accepted", "acceptance", "reuse", "overlap",
+           "draft fwd/window", "parity")
 
 
 def summarize_modes(result: BenchResult) -> list[dict]:
@@ -24,7 +26,8 @@ def summarize_modes(result: BenchResult) -> list[dict]:
         mean = lambda key: statistics.mean(r.stats[key] for r in runs)  # noqa: E731
         parity = [r.parity for r in runs]
         rows.append({
-            "mode": mode, "tok/s": tps, "speedup": tps / base if base else float("nan"),
+            "mode": mode, "tok/s": tps, "decode tok/s": mean("decode_tokens_per_second"),
+            "speedup": tps / base if base else float("nan"),
             "mean accepted": mean("mean_accepted_tokens"), "acceptance": mean("acceptance_rate"),
             "reuse": mean("reuse_rate"), "overlap": mean("overlap_ratio"),
             "draft fwd/window": mean("draft_forwards_per_window"),
@@ -43,6 +46,7 @@ def markdown(result: BenchResult, command: str) -> str:
     rows = summarize_modes(result)
     lines = [f"# mirrorsd bench — {result.options.model}", "", f"Command: `{command}`", "",
              f"Machine: {result.machine}; peak RSS {result.peak_rss_mb:.0f} MiB", "",
+             machine_line(result), "",
              "Prompts: " + ("the export's chat template" if result.chat else
                             "raw completion (the export has no chat template)"), "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -58,6 +62,7 @@ def markdown(result: BenchResult, command: str) -> str:
             vals = [r.stats["tokens_per_second"] for r in result.runs if r.category == category and r.mode == row["mode"]]
             cells.append(f"{statistics.mean(vals):.2f}" if vals else "-")
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    lines += _lookup_lines(result, categories)
     lines += _ceiling_lines(result, rows)
     lines += _native_lines(result)
     if result.skipped:
@@ -70,7 +75,42 @@ def markdown(result: BenchResult, command: str) -> str:
         lines += ["", "Peers ran after mirrorsd's modes, one system at a time, on the same prompt token ids, with all "
                   "cores (see `mirrorsd.apps.peers`); their parity column compares them with mirrorsd's `ar`."]
         lines += _peer_self_parity(result)
+        lines += _peer_setup_lines(result)
     return "\n".join(lines) + "\n"
+
+
+def _lookup_lines(result: BenchResult, categories: list[str]) -> list[str]:
+    """Prompt lookup per category, from the ngram runs: the share of steps whose lookup found a window (hit rate),
+    the share of copied tokens the target accepted, and the tokens each step committed."""
+    runs = [r for r in result.runs if r.mode == "ngram"]
+    if not runs:
+        return []
+    lines = ["", "Prompt lookup (mode ngram) per category:", "",
+             "| category | steps | lookup hit rate | copied tokens accepted | mean accepted |", "|---|---|---|---|---|"]
+    for category in [*categories, "all"]:
+        chosen = [r.stats for r in runs if category in ("all", r.category)]
+        if not chosen:
+            continue
+        steps, windows = sum(s["steps"] for s in chosen), sum(s["windows"] for s in chosen)
+        drafted, accepted = sum(s["drafted"] for s in chosen), sum(s["accepted"] for s in chosen)
+        lines.append(f"| {category} | {steps} | {windows / max(steps, 1):.2f} | {accepted / max(drafted, 1):.2f} | "
+                     f"{(accepted + steps) / max(steps, 1):.2f} |")
+    return lines
+
+
+def machine_line(result: BenchResult) -> str:
+    """The CPU, the flags that decide its kernels and its copy bandwidth with 1 and with all threads, in one line
+    beside the table (numbers only compare between machines with these in view)."""
+    cpu = result.machine.get("cpu", "unknown CPU")
+    flags = result.machine.get("cpu_flags", "?")
+    by_threads = {c.threads: c.bandwidth_gb_s for c in result.ceilings}
+    if by_threads:
+        most = max(by_threads)
+        bandwidth = (f"copy bandwidth {by_threads.get(1, float('nan')):.1f} GB/s with 1 thread, "
+                     f"{by_threads[most]:.1f} GB/s with {most}")
+    else:
+        bandwidth = "copy bandwidth not measured in this run"
+    return f"CPU: {cpu}; {result.machine.get('cpus', '?')} cores; flags: {flags}; {bandwidth}"
 
 
 def _ceiling_lines(result: BenchResult, rows: list[dict]) -> list[str]:
@@ -130,7 +170,8 @@ def _native_lines(result: BenchResult) -> list[str]:
 
 def _peer_self_parity(result: BenchResult) -> list[str]:
     """A peer's speculative tokens against its own target-only tokens (the peers' own losslessness)."""
-    pairs = (("hf-assisted", "hf-ar"), ("ov-sd", "ov-ar"))
+    pairs = (("hf-assisted", "hf-ar"), ("ov-sd", "ov-ar"), ("ov-user-sd", "ov-user-ar"),
+             ("ov-user-sd-conf", "ov-user-ar"), ("llama-sd", "llama-ar"), ("llama-ngram", "llama-ar"))
     tokens = {(r.question_id, r.mode): r.tokens for r in result.runs}
     lines = []
     for spec, plain in pairs:
@@ -139,6 +180,18 @@ def _peer_self_parity(result: BenchResult) -> list[str]:
             same = sum(tokens[(q, spec)] == tokens[(q, plain)] for q in ids)
             lines.append(f"- {spec} = {plain} (its own target-only output) on {same}/{len(ids)} prompts")
     return lines
+
+
+def _peer_setup_lines(result: BenchResult) -> list[str]:
+    """What each peer ran with that its mode name does not say: OpenVINO's inference precision, llama.cpp's files."""
+    seen: dict[str, str] = {}
+    for run in result.runs:
+        placement = run.stats.get("placement") or {}
+        facts = [f"{key} {placement[key]}" for key in ("inference_precision", "target_gguf", "draft_gguf")
+                 if key in placement]
+        if facts and is_peer_mode(run.mode):
+            seen.setdefault(run.mode, ", ".join(facts))
+    return [f"- {mode}: {facts}" for mode, facts in seen.items()]
 
 
 def spec_bench_answers(result: BenchResult) -> list[dict]:

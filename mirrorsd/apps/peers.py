@@ -10,6 +10,14 @@
     ``num_assistant_tokens = gamma``. Weights use the export's precisions (fp32 -> fp32, int8/int4 -> NNCF
     weight compression); on CPU inference precision is forced to f32 so the numbers compare with ours (OpenVINO's
     default there is bf16).
+``ov-user-ar`` / ``ov-user-sd`` / ``ov-user-sd-conf``
+    OpenVINO GenAI as a user runs it: both folders converted by ``optimum-cli export openvino --weight-format int4``
+    with optimum-intel's defaults for everything else, and the device's default inference precision (bf16 on CPUs
+    with AVX-512 BF16 or AMX, f32 elsewhere; the report names it). The target alone, speculative decoding with
+    ``num_assistant_tokens = gamma``, and with ``assistant_confidence_threshold = OV_CONFIDENCE_THRESHOLD``
+    (the draft proposes while its confidence stays above it).
+``llama-ar`` / ``llama-sd`` / ``llama-ngram``
+    llama.cpp's server on the GGUF files the export was converted from (see ``mirrorsd.apps.peers_llamacpp``).
 
 Every peer uses all cores (its default): the bench's ``ar`` baseline gives each ONNX Runtime session
 ``--threads``, so read peer rows against ``ar-Nt`` (``--baseline-threads``) as well. Only wall time, token ids and
@@ -24,39 +32,18 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from mirrorsd.errors import GenerationInputError, MirrorSDError
+from mirrorsd.errors import GenerationInputError
+from mirrorsd.apps.peer_types import (INSTALL_HINT, PEER_MODES, PeerModels, PeerOutput,  # noqa: F401 (re-exported)
+                                     PeerUnavailableError, cut_at_eos, peer_stats)
 
-PEER_MODES = {  # bench mode -> (peer family, speculative?)
-    "hf-ar": ("transformers", False),
-    "hf-assisted": ("transformers", True),
-    "ov-ar": ("openvino-genai", False),
-    "ov-sd": ("openvino-genai", True),
-}
-INSTALL_HINT = 'install the peers: bash scripts/setup.sh --peers (or pip install -e ".[export,peers]" torch==2.13.0)'
 OV_WEIGHT_FORMATS = {"fp32": ["--weight-format", "fp32"], "fp16": ["--weight-format", "fp16"],
                      "int8": ["--weight-format", "int8"],
-                     "int4": ["--weight-format", "int4", "--group-size", "32", "--ratio", "1.0", "--sym"]}
-
-
-class PeerUnavailableError(MirrorSDError):
-    """A peer system the bench was asked to run is not installed or cannot load the models."""
-
-
-@dataclass(frozen=True)
-class PeerModels:
-    target: Path  # Hugging Face folder of the target
-    draft: Path  # Hugging Face folder of the draft
-    target_precision: str = "fp32"
-    draft_precision: str = "fp32"
-
-
-@dataclass(frozen=True)
-class PeerOutput:
-    tokens: list[int]
-    stats: dict  # GenerationStats.to_dict() keys; NaN where the peer does not say
+                     "int4": ["--weight-format", "int4", "--group-size", "32", "--ratio", "1.0", "--sym"],
+                     "int4-default": ["--weight-format", "int4"]}  # optimum-intel's own int4 defaults (ov-user-*)
+OV_CONFIDENCE_THRESHOLD = 0.4  # ov-user-sd-conf: GenAI's assistant_confidence_threshold
+OV_USER_PRECISION = "int4-default"
 
 
 def is_peer_mode(mode: str) -> bool:
@@ -72,33 +59,6 @@ def hf_folder(path: str | os.PathLike, role: str) -> Path:
             "peers load the models the export came from, as Hugging Face folders",
             f"pass --peer-{role} with the {role}'s folder (mirrorsd fetch converts pinned GGUFs to folders)")
     return folder
-
-
-def peer_stats(mode: str, prompt_tokens: int, tokens: list[int], eos_ids: tuple[int, ...], seconds: float,
-               ttft: float = math.nan) -> dict:
-    """Statistics of a peer's generation of ``tokens`` (cut at EOS, see cut_at_eos): what a peer does not
-    report stays NaN; it stopped at an EOS token, else at the token budget."""
-    from mirrorsd.runtime.stats import GenerationStats
-
-    nan, new_tokens = math.nan, len(tokens)
-    decode = (new_tokens - 1) / (seconds - ttft) if new_tokens > 1 and seconds > ttft else nan
-    return GenerationStats(
-        mode=mode, prompt_tokens=prompt_tokens, new_tokens=new_tokens, seconds=seconds, time_to_first_token_s=ttft,
-        tokens_per_second=new_tokens / max(seconds, 1e-9), decode_tokens_per_second=decode,
-        mean_accepted_tokens=nan, acceptance_rate=nan, reuse_rate=nan, fallback_rate=nan,
-        steps=0, drafted=0, accepted=0, windows=0, reused=0, fallbacks=0, draft_forwards=0,
-        draft_forwards_per_window=nan, branches_rolled_out=0, draft_failures=0, target_busy_s=nan,
-        draft_busy_s=nan, draft_hidden_s=nan, overlap_ratio=nan,
-        finish_reason="eos" if tokens and tokens[-1] in eos_ids else "length",
-        placement={"peer": PEER_MODES[mode][0]}).to_dict()
-
-
-def cut_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
-    """Up to and including the first EOS, as mirrorsd's decoders return them."""
-    for i, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: i + 1]
-    return tokens
 
 
 class TransformersPeer:
@@ -172,20 +132,24 @@ def convert_to_openvino(source: Path, precision: str, progress: bool = True) -> 
 
 
 class OpenVINOGenAIPeer:
-    """OpenVINO GenAI's LLMPipeline, with and without ``draft_model``, on CPU with f32 inference precision."""
+    """OpenVINO GenAI's LLMPipeline on CPU, with and without ``draft_model``: with f32 inference precision and the
+    export's weight precisions (``user=False``: ov-ar, ov-sd), or as a user runs it (``user=True``: optimum-cli's
+    int4 defaults, the device's default inference precision; ov-user-*)."""
 
-    def __init__(self, models: PeerModels, eos_ids: tuple[int, ...], speculative: bool, progress: bool = True):
+    def __init__(self, models: PeerModels, eos_ids: tuple[int, ...], speculative: bool, progress: bool = True,
+                 user: bool = False):
         try:
             import openvino as ov
             import openvino_genai
         except ImportError as exc:
             raise PeerUnavailableError("openvino-genai is not installed", str(exc), INSTALL_HINT) from exc
         self.ov, self.eos_ids = ov, tuple(eos_ids)
-        properties = {"INFERENCE_PRECISION_HINT": "f32"}
-        target = convert_to_openvino(models.target, models.target_precision, progress)
+        properties = {} if user else {"INFERENCE_PRECISION_HINT": "f32"}
+        self.inference_precision = properties.get("INFERENCE_PRECISION_HINT") or default_inference_precision(ov)
+        target = convert_to_openvino(models.target, OV_USER_PRECISION if user else models.target_precision, progress)
         self.pipes = {False: openvino_genai.LLMPipeline(str(target), "CPU", **properties)}
         if speculative:
-            draft = convert_to_openvino(models.draft, models.draft_precision, progress)
+            draft = convert_to_openvino(models.draft, OV_USER_PRECISION if user else models.draft_precision, progress)
             self.pipes[True] = openvino_genai.LLMPipeline(
                 str(target), "CPU", draft_model=openvino_genai.draft_model(str(draft), "CPU", **properties),
                 **properties)
@@ -201,7 +165,7 @@ class OpenVINOGenAIPeer:
         config.eos_token_id = self.eos_ids[0]
         config.stop_token_ids = set(self.eos_ids)
         if speculative:
-            config.num_assistant_tokens = gamma
+            config.num_assistant_tokens, config.assistant_confidence_threshold = assistant_schedule(mode, gamma)
         input_ids = self.ov.Tensor(np.asarray([ids], dtype=np.int64))  # [1, prompt]
         start = time.perf_counter()
         result = pipe.generate(input_ids, config)
@@ -212,10 +176,30 @@ class OpenVINOGenAIPeer:
             ttft = float(result.perf_metrics.get_ttft().mean) / 1000.0  # ms -> s
         except (AttributeError, RuntimeError):
             pass
-        return PeerOutput(tokens, peer_stats(mode, len(ids), tokens, self.eos_ids, seconds, ttft=ttft))
+        stats = peer_stats(mode, len(ids), tokens, self.eos_ids, seconds, ttft=ttft)
+        stats["placement"]["inference_precision"] = self.inference_precision
+        return PeerOutput(tokens, stats)
 
     def close(self) -> None:
         self.pipes.clear()
+
+
+def assistant_schedule(mode: str, gamma: int) -> tuple[int, float]:
+    """GenAI's (num_assistant_tokens, assistant_confidence_threshold) for a speculative ov-* mode: a fixed window
+    of ``gamma`` tokens, or (ov-user-sd-conf) a window that ends where the draft's confidence drops below the
+    threshold. GenAI takes exactly one of the two (the other 0)."""
+    if mode == "ov-user-sd-conf":
+        return 0, OV_CONFIDENCE_THRESHOLD
+    return gamma, 0.0
+
+
+def default_inference_precision(ov) -> str:
+    """What OpenVINO's CPU plugin computes in when nobody says (bf16 where the CPU has AVX-512 BF16 or AMX)."""
+    try:
+        value = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT")  # an openvino Type, e.g. bf16
+    except RuntimeError:
+        return "unknown"
+    return value.get_type_name() if hasattr(value, "get_type_name") else str(value)
 
 
 def families(modes: list[str]) -> dict[str, list[str]]:
@@ -234,5 +218,9 @@ def open_peer(family: str, modes: list[str], models: PeerModels, eos_ids: tuple[
     the bench runs one family at a time so that at most one more copy of the target is in memory."""
     if family == "transformers":
         return TransformersPeer(models, eos_ids)
+    if family == "llama.cpp":
+        from mirrorsd.apps.peers_llamacpp import LlamaCppPeer
+
+        return LlamaCppPeer(models, eos_ids, modes)
     speculative = any(PEER_MODES[m][1] for m in modes)
-    return OpenVINOGenAIPeer(models, eos_ids, speculative, progress)
+    return OpenVINOGenAIPeer(models, eos_ids, speculative, progress, user=family == "openvino-genai-user")

@@ -4,10 +4,20 @@
               split (runtime/planner/latency.py), from its measured profile and the pair's acceptance (calibration, then
               what earlier generations measured); take the fastest
     generate  the chosen proposer does the work; every step's wall time and committed tokens are recorded
+    correct   every RECHECK_STEPS steps, a running strategy that measured more seconds per step than the profile
+              predicts gets that factor on its step time for the rest of the generation (and so does every
+              strategy of several rows per step not run yet: they share the wide verify's cost); every later
+              ranking (re-plan, ar probe) uses the corrected times. A profile taken on a busy machine, wrong for
+              one strategy, is corrected by what that strategy ran at. Only ever dearer: a strategy measured
+              faster than profiled keeps its prediction, since the strategies it is ranked against were not
+              measured (a machine faster than its profile all round must not make the running one look best)
     re-plan   when the last RECHECK_STEPS steps ran more than SLACK below the prediction, rank again with the
-              acceptance measured so far in this generation (e.g. acceptance collapsed: drop to ar). If the same
-              strategy still wins, the machine is simply slower than profiled: the prediction is scaled to what
-              was measured, so that it does not re-plan every 16 steps for nothing
+              acceptance measured so far in this generation (e.g. acceptance collapsed: drop to ar) and the
+              corrected step times. If the same strategy still wins, its corrected prediction is what it measured,
+              so it does not re-plan every 16 steps for nothing
+    lookup    every step the committed text is replayed as mode ngram would have decoded it (planner/lookup.py);
+              every RECHECK_STEPS steps, auto takes ngram when the latency model predicts it LOOKUP_MARGIN faster
+              than the strategy running (code that repeats names, answers that quote their question)
     leave ar  while in ar, the draft is probed every PROBE_STEPS steps on the committed text (planner/ar_probe.py:
               teacher-forced, the target's tokens untouched) and the strategies ranked again with the alpha it
               measured; auto leaves ar when a speculative strategy is predicted LEAVE_MARGIN faster than ar
@@ -18,11 +28,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mirrorsd.runtime.planner.ar_probe import PROBE_STEPS, ArProbe, leave_ar, speculation_can_pay
-from mirrorsd.runtime.planner.latency import Acceptance, Prediction, SplitCosts, Strategy, Table, rank
+from mirrorsd.runtime.planner.latency import MODES, Acceptance, Prediction, SplitCosts, Strategy, Table, rank
+from mirrorsd.runtime.planner.lookup import LookupReplay
 from mirrorsd.runtime.rollout import Window
 from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.verify import Verdict
@@ -30,6 +41,7 @@ from mirrorsd.runtime.verify import Verdict
 RECHECK_STEPS = 16  # steps per check of the measured speed against the prediction
 SLACK = 0.10  # re-plan when the measured speed is more than this fraction below the prediction
 MIN_ONLINE_STEPS = 8  # speculative steps before this generation's own acceptance replaces the prior
+LOOKUP_MARGIN = 0.10  # take ngram when predicted this much faster than the running strategy (its replay is young)
 
 
 @dataclass
@@ -43,7 +55,7 @@ class OnlineStats:
     reused: dict = field(default_factory=lambda: {True: 0, False: 0})
 
     def record(self, verdict: Verdict, strategy: Strategy, reused: bool) -> None:
-        if verdict.drafted == 0:
+        if verdict.drafted == 0 or strategy.mode == "ngram":  # copied windows say nothing of the draft
             return
         self.steps += 1
         self.accepted += verdict.accepted
@@ -103,6 +115,26 @@ def plan_table(costs: SplitCosts, acceptance: Acceptance, streaming: bool = Fals
     return rank([costs], acceptance, gammas, streaming, context, new_tokens, current)
 
 
+WIDE = ("sd", "mirror", "ngram")  # the modes that verify windows of several rows: they share that cost (and the draft's)
+
+
+def corrected(table: Table, step_factor: dict[Strategy, float]) -> Table:
+    """``table`` with each measured strategy's step time scaled by ``step_factor`` (measured / predicted seconds
+    per step), fastest first again. A strategy of several rows per step (sd, mirror, ngram) not run yet takes the
+    largest factor measured on one of them: they share the multi-row verify's cost (and sd and mirror the draft's),
+    so a profile wrong for one is wrong for them (else auto would walk through every untried gamma and mode, each
+    predicted from the same bad costs)."""
+    if not step_factor:
+        return table
+    speculative = max((f for s, f in step_factor.items() if s.mode in WIDE), default=1.0)
+    rows = [Prediction(r.strategy, r.step_s * step_factor.get(r.strategy, speculative if r.strategy.mode in WIDE
+                                                              else 1.0), r.tokens_per_step)
+            for r in table.rows]
+    order = {m: i for i, m in enumerate(MODES)}
+    rows.sort(key=lambda p: (-round(p.tokens_per_second, 9), order[p.strategy.mode], p.strategy.gamma))
+    return replace(table, rows=tuple(rows))
+
+
 def why(table: Table) -> str:
     best = table.best
     runner = next((r for r in table.rows[1:] if r.strategy.mode != best.strategy.mode), None)
@@ -128,9 +160,12 @@ class AutoProposer:
         self._make = make  # Strategy -> a proposer (TargetOnly, SerialDraft, MirrorProposer)
         self.costs, self.prior = costs, prior
         self.context, self.new_tokens = context, new_tokens  # the prompt's tokens; the tokens asked for
-        self._plan = lambda acceptance, current=None: plan_table(
+        self.step_factor: dict[Strategy, float] = {}  # measured / predicted seconds per step, per strategy run
+        self._profiled = lambda acceptance, current=None: plan_table(
             costs, acceptance, streaming, max_gamma, self.context + self.generated,
-            max(self.new_tokens - self.generated, 0), current)
+            max(self.new_tokens - self.generated, 0), current)  # the profile's own predictions
+        self._plan = lambda acceptance, current=None: corrected(self._profiled(acceptance, current),
+                                                                self.step_factor)
         self.generated = 0
         self.table = self._plan(prior)
         self.first_table = self.table
@@ -151,6 +186,8 @@ class AutoProposer:
         self._probing = False
         self._probe_due = False
         self._ar_steps = 0
+        self.replay = LookupReplay(max(costs.max_gamma, 1))  # mode ngram replayed on the committed text
+        self._prompt_tokens = 0
 
     @property
     def strategy(self) -> Strategy:
@@ -161,6 +198,8 @@ class AutoProposer:
         self.sampler = sampler
         self.inner = self._make(self.strategy)
         self.inner.reset(prompt, sampler)
+        self._prompt_tokens = len(prompt)
+        self.replay = LookupReplay(self.replay.max_gamma)
         self._last = 0.0  # set by the first propose: the prefill is no step
         self._probing = self.probe is not None and sampler.plain and speculation_can_pay(self._plan, self.prior)
         if self._probing:
@@ -169,6 +208,8 @@ class AutoProposer:
     def propose(self, committed: list[int], gamma: int) -> Window:
         if not self._last:
             self._last = time.perf_counter()
+            self.replay.start(committed[:self._prompt_tokens], committed[self._prompt_tokens])
+        self.replay.follow(committed)
         if self._probe_due:
             self._probe(committed)
         if self._pending is not None:
@@ -209,20 +250,52 @@ class AutoProposer:
             return
         seconds = sum(s for s, _ in self._recent)
         measured = sum(t for _, t in self._recent) / seconds if seconds > 0 else float("inf")
+        self._correct(seconds / len(self._recent))
         self._recent = []
         expected = self.current.tokens_per_second * self.scale
         if measured >= (1.0 - SLACK) * expected:
+            self._take_lookup(measured)
             return
-        table = self._plan(self.online.acceptance(self.prior), self.strategy)
+        table = self._plan(self.acceptance(), self.strategy)
         best = table.best
-        if best.strategy == self.strategy:
-            self.scale = measured / max(best.tokens_per_second, 1e-9)  # a slower machine, the same choice
+        if best.strategy == self.strategy:  # its corrected prediction is what it measured: the same choice
+            self.scale = measured / max(best.tokens_per_second, 1e-9)
             self.table = table
             self.current = best
             return
         self.switches.append(Switch(self._step, self.strategy.name, best.strategy.name, round(measured, 2),
                                     round(expected, 2), f"measured {measured:.1f} tok/s < {1 - SLACK:.0%} of "
                                                         f"{expected:.1f} predicted; re-planned: " + why(table)))
+        self.table = table
+        self._pending = best
+
+    def _correct(self, measured_step_s: float) -> None:
+        """The running strategy's step time as measured: its factor on the profile's prediction (uncorrected)."""
+        profiled = self._profiled(self.table.acceptance, self.strategy)
+        predicted = next((r.step_s for r in profiled.rows if r.strategy == self.strategy), 0.0)
+        if measured_step_s > 0 and predicted > 0:  # only ever dearer: see the module docstring
+            self.step_factor[self.strategy] = max(1.0, measured_step_s / predicted)
+
+    def acceptance(self) -> Acceptance:
+        """What this generation measured so far (online.acceptance), with its ngram replay."""
+        return replace(self.online.acceptance(self.prior), lookup=self.replay.all_counts())
+
+    def _take_lookup(self, measured: float) -> None:
+        """Switch to ngram when its replay on this text predicts it LOOKUP_MARGIN faster than what runs now (both
+        predicted from the same acceptance and costs)."""
+        if self.strategy.mode == "ngram" or self._pending is not None:
+            return
+        table = self._plan(self.acceptance(), self.strategy)
+        best = table.best_of("ngram")
+        now = next((r for r in table.rows if r.strategy == self.strategy), None)
+        if best is None or best is not table.best or now is None or \
+                best.tokens_per_second < (1 + LOOKUP_MARGIN) * now.tokens_per_second:
+            return
+        counts = table.acceptance.lookup_at(best.strategy.gamma)
+        self.switches.append(Switch(self._step, self.strategy.name, best.strategy.name, round(measured, 2),
+                                    round(best.tokens_per_second, 2),
+                                    f"lookup replay: ngram would have committed {counts.tokens} tokens in "
+                                    f"{counts.steps} steps; re-planned: " + why(table)))
         self.table = table
         self._pending = best
 
@@ -236,7 +309,7 @@ class AutoProposer:
         if alpha is None:
             return
         known = self.online.acceptance(self.prior)  # the probe measures alpha only; reuse stays what was known
-        acceptance = Acceptance(alpha, known.reuse, known.reuse_noexit, "ar probe")
+        acceptance = Acceptance(alpha, known.reuse, known.reuse_noexit, "ar probe", self.replay.all_counts())
         table = self._plan(acceptance, self.strategy)
         best = leave_ar(table)
         if best is None:

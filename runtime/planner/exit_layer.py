@@ -7,7 +7,7 @@ The target's layers are the same whatever L is, so a verification costs the same
     arrival(L) = c_target * (prefix(L) + exit)  when the exit's message reaches the draft (latency.exit_arrival_s)
     reuse(L)   = reuse_noexit + (reuse(L0) - reuse_noexit) * hit(L) / hit(L0)
 
-A deeper exit names the target's token more often (hit(L), e.g. the trained top-4 of scripts/exit_layer_sweep.py)
+A deeper exit names the target's token more often (hit(L), e.g. the trained top-4 of mirrorsd-exit-sweep)
 but arrives later, leaving less of the suffix to hide the draft's first branch batch under (latency.mirror_step).
 The reuse line goes through what the calibration measured: reuse without the exit head at hit 0, reuse with it at
 the profile's own exit layer; in between and beyond, Mirror-SD's reuse is taken to move in proportion to the hit
@@ -112,7 +112,10 @@ def read_hits(data: dict, topk: int = 4, kind: str = "trained") -> tuple[dict[in
         value = table.get(str(topk), table.get(topk))
         if value is None:
             raise ValueError(f"the sweep has no top-{topk} hit rate (it has {sorted(table)})")
-        hits[int(row["layer"])] = float(value)
+        hit = float(value)
+        if not 0.0 <= hit <= 1.0:  # NaN fails this too
+            raise ValueError(f"layer {row['layer']}'s top-{topk} hit rate is {value!r}; a hit rate is 0..1")
+        hits[int(row["layer"])] = hit
     if not hits:
         raise ValueError("the sweep lists no layer")
     return hits, data.get("layers")

@@ -15,10 +15,13 @@ Glossary (seconds unless said otherwise; w = rows of a verification window = gam
     alpha         per-token acceptance: P(the target accepts a draft token | it accepted the ones before)
     reuse         fraction of Mirror-SD windows taken from a branch rolled out during verification (a hit)
 
-Step times (the paper's model, ALGORITHM.md, with the edge's contention terms and the worker's real schedule):
+Step times (the paper's model, docs/algorithm.md "Mirror-SD: what runs at the same time", with the edge's
+contention terms and the worker's real schedule):
 
     ar       T = verify(1)                                                         1 token per step
     sd       T = gamma * draft1 + verify(gamma + 1)                                E[A + 1] tokens per step
+    ngram    T = sum over replayed steps of verify(w) / steps                     tokens / steps (planner/lookup.py:
+                                                                           mode ngram replayed on the text itself)
     mirror   V = c_target * (verify(g + 1) + exit(g + 1))   the target verifies while the draft rolls out:
              E = c_target * (prefix(g + 1) + exit(g + 1))   the early exit's message arrives (with the exit head;
                                                             0 without it, or when the profile has no prefix times)
@@ -44,7 +47,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-MODES = ("ar", "sd", "mirror")
+from mirrorsd.runtime.planner.lookup import LookupCounts
+
+MODES = ("ar", "sd", "mirror", "ngram")
+MIN_LOOKUP_STEPS = 8  # replayed ngram steps (planner/lookup.py) before ngram is ranked at all
 ALPHA_CAP = 0.999  # an acceptance of exactly 1 makes E[A+1] a 0/0 limit; the cap keeps it finite (= gamma + 1)
 
 
@@ -100,6 +106,13 @@ class Acceptance:
     reuse: float
     reuse_noexit: float | None = None  # None: same as reuse
     source: str = "prior"
+    lookup: tuple[LookupCounts, ...] = ()  # mode ngram replayed on this generation's text, per gamma 1 .. ((): none)
+
+    def lookup_at(self, gamma: int) -> LookupCounts | None:
+        """The replay at window ``gamma``, when it has MIN_LOOKUP_STEPS steps (else ngram is not ranked)."""
+        if gamma > len(self.lookup) or self.lookup[gamma - 1].steps < MIN_LOOKUP_STEPS:
+            return None
+        return self.lookup[gamma - 1]
 
     def reuse_for(self, exit_head: bool) -> float:
         return self.reuse if exit_head or self.reuse_noexit is None else self.reuse_noexit
@@ -161,6 +174,9 @@ def step_time(costs: SplitCosts, strategy: Strategy, acceptance: Acceptance) -> 
     g = strategy.gamma
     if strategy.mode == "ar":
         return costs.verify_s[0]
+    if strategy.mode == "ngram":
+        counts = acceptance.lookup_at(g)
+        return sum(n * costs.verify_s[w] for w, n in enumerate(counts.widths)) / counts.steps
     window = _window_s(costs, g, strategy.streaming)
     if strategy.mode == "sd":
         return window + costs.verify_s[g]
@@ -208,7 +224,11 @@ def predict(costs: SplitCosts, strategy: Strategy, acceptance: Acceptance, conte
     """tokens/s of ``strategy``: E[A + 1] / step time; with ``new_tokens`` the start-up cost is spread over the
     steps of a generation of that many tokens after a ``context``-token text."""
     strategy = replace(strategy, split=costs.split)
-    tokens = 1.0 if strategy.mode == "ar" else expected_tokens(acceptance.alpha, strategy.gamma)
+    if strategy.mode == "ngram":
+        counts = acceptance.lookup_at(strategy.gamma)
+        tokens = counts.tokens / counts.steps
+    else:
+        tokens = 1.0 if strategy.mode == "ar" else expected_tokens(acceptance.alpha, strategy.gamma)
     step = step_time(costs, strategy, acceptance)
     if new_tokens > 0:
         step += startup_s(costs, strategy, context, switching) / max(new_tokens / tokens, 1.0)
@@ -243,14 +263,18 @@ class Table:
                               for r in self.rows[:limit]]}
 
 
-def candidates(costs: SplitCosts, gammas: tuple[int, ...] | None = None, streaming: bool = False) -> list[Strategy]:
-    """ar, sd at every gamma, mirror with and without the exit head at every gamma, on one split."""
+def candidates(costs: SplitCosts, gammas: tuple[int, ...] | None = None, streaming: bool = False,
+               acceptance: Acceptance | None = None) -> list[Strategy]:
+    """ar, sd at every gamma, mirror with and without the exit head at every gamma, on one split; ngram at every
+    gamma its replay in ``acceptance`` covers."""
     gammas = gammas or tuple(range(1, costs.max_gamma + 1))
     gammas = tuple(g for g in gammas if 1 <= g <= costs.max_gamma)
     out = [Strategy("ar", split=costs.split)]
     for g in gammas:
         out.append(Strategy("sd", g, streaming=streaming, split=costs.split))
         out += [Strategy("mirror", g, exit_head=e, streaming=streaming, split=costs.split) for e in (True, False)]
+        if acceptance is not None and acceptance.lookup_at(g) is not None:
+            out.append(Strategy("ngram", g, split=costs.split))
     return out
 
 
@@ -261,7 +285,7 @@ def rank(splits: list[SplitCosts], acceptance: Acceptance, gammas: tuple[int, ..
     strategy running now (a re-plan: any other one starts from scratch, the current one does not)."""
     rows = []
     for c in splits:
-        for s in candidates(c, gammas, streaming and bool(c.stream_window_s)):
+        for s in candidates(c, gammas, streaming and bool(c.stream_window_s), acceptance):
             running = current is not None and replace(s, split="") == replace(current, split="")
             rows.append(predict(c, s, acceptance, 0 if running else context, new_tokens, current is not None))
     order = {m: i for i, m in enumerate(MODES)}

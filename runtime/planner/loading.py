@@ -46,14 +46,28 @@ class LoadChoice:
     confirm: bool = False  # choose once open (the chain's pick could not be told before; see the module docstring)
 
 
+def device_request(devices):
+    """``devices`` as a DeviceRequest: None (auto placement), a DeviceRequest, or one device string for both models
+    (as the CLI's --device flags take it)."""
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.errors import DeviceError
+
+    if isinstance(devices, str):
+        devices = DeviceRequest(target=devices, draft=devices)
+    devices = devices or DeviceRequest()
+    if not isinstance(devices, DeviceRequest):
+        raise DeviceError(f"devices must be a DeviceRequest or a device string, not {type(devices).__name__}",
+                          "it says where each model runs", "pass DeviceRequest(target=..., draft=...), 'cpu', "
+                                                           "or None (auto placement)")
+    return devices
+
+
 def cached_profile(folder: Path, placement: dict[str, str]):
     """The cached profile of export ``folder`` on ``placement`` (graph role -> Placement.describe()), or None (none
-    yet, or unreadable: measured again)."""
-    path = profiles.cache_path(folder, placement)
-    try:
-        return profiles.load(path) if path.is_file() else None
-    except profiles.ProfileError:
-        return None
+    yet, or unusable: measured again)."""
+    from mirrorsd.runtime.planner.profiling import cached
+
+    return cached(profiles.cache_path(folder, placement))
 
 
 def placement_profiles(folder: Path, manifest, devices, here: Here) -> dict:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from mirrorsd.runtime.planner.latency import Acceptance, rank, split_name
 
-KEEP_MARGIN = 0.05  # switch splits only when another is predicted more than 5 % faster (profile noise ~ +-5-10 %)
+KEEP_MARGIN = 0.05  # switch splits only when another is predicted more than 5 % faster (no switching on noise)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@
 // Both give the exact integer block dot product, and the float steps are the scalar path's, so this path agrees
 // with the others bit for bit.
 //
-// Cost (Zen 4 without AVX-512, 2.8 GHz): with several rows the kernel is bound by the vector pipes, not by memory.
+// Cost (an AVX2-only core): with several rows the kernel is bound by the vector pipes, not by memory.
 // Per row and block of 8 columns: 8 vpmaddubsw (2 per cycle), 7 vpaddw, vpmaddwd, the corr add, cvt, mul and fma,
-// and 10 loads (8 broadcasts of 4 activation bytes, corr, the row's scale; 2 per cycle): ~8 cycles measured. Rows
+// and 10 loads (8 broadcasts of 4 activation bytes, corr, the row's scale; 2 per cycle): the floor is about 7 cycles
+// (docs/lab-notes/performance-log.md, the AVX2 multi-row kernel, has what it measured). Rows
 // share each weight vector and its unpacking in tiles of up to 6 (5-row windows in one tile), the activations of a
 // block lie side by side (one pointer, fixed offsets), and every value is pinned in a register (see pin): left
 // alone, the compiler re-associated the int16 sums into trees whose terms spilled to the stack and folded each

@@ -21,7 +21,7 @@ constexpr int64_t kColumns = 16;  // columns per group
 constexpr int kRows = 8;          // rows per tile (8 float accumulators + 8 weight vectors fit in 32 registers)
 // Every cache line of the block this many blocks ahead is prefetched (~2.5 KB at 4 bits): with several rows the
 // loop body is long, the out-of-order window covers few blocks, and the hardware prefetcher alone left a 5-row
-// tile latency-bound at 1.5x the one-row time when streaming from memory (measured on Zen 4).
+// tile latency-bound, well above the one-row time, when streaming from memory.
 constexpr int64_t kAhead = 8;
 
 inline __m512i broadcast4(const int8_t* q) {  // 4 activation bytes to every 32-bit lane

@@ -3,11 +3,11 @@
 Both run on the same session settings, interleaved token by token, greedy on the split target's argmax. The unsplit
 graph comes from one of two places:
 
-    python scripts/split_overhead.py EXPORT_DIR --merge SCRATCH_DIR [--tokens 128] [--threads 1]
+    python scripts/lab/split_overhead.py EXPORT_DIR --merge SCRATCH_DIR [--tokens 128] [--threads 1]
         merges the folder's prefix.onnx and suffix.onnx into SCRATCH_DIR/unsplit.onnx (reused when there; weights
         in unsplit.onnx.data beside it). Works on any export, no re-export needed.
 
-    python scripts/split_overhead.py EXPORT_DIR [--tokens 128] [--threads 1]
+    python scripts/lab/split_overhead.py EXPORT_DIR [--tokens 128] [--threads 1]
         an export made with --draft-layers N (N = the target's depth), whose draft graph is the whole target.
 """
 from __future__ import annotations

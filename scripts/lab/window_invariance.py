@@ -1,6 +1,6 @@
-"""Does a row's target output depend on the rows verified beside it? (ALGORITHM.md, Losslessness (a))
+"""Does a row's target output depend on the rows verified beside it? (docs/algorithm.md, Batch invariance)
 
-    python scripts/window_invariance.py EXPORT_DIR [--window 5] [--steps 20] [--target-device openvino:CPU]
+    python scripts/lab/window_invariance.py EXPORT_DIR [--window 5] [--steps 20] [--target-device openvino:CPU]
 
 Decodes a prompt greedily; at each step feeds the next `window` ar tokens as one verification window and again one
 token at a time, and prints the max |logit diff| and how often the argmax differs. 0.0 = bitwise identical.

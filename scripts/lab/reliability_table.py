@@ -1,6 +1,6 @@
 """Run the reliability catalogue (tests/catalogue_cases.py) and print one markdown row per case.
 
-    python scripts/reliability_table.py [--only ID,ID] [--json OUT.json] [--before BEFORE.json] [--after AFTER.json]
+    python scripts/lab/reliability_table.py [--only ID,ID] [--json OUT.json] [--before BEFORE.json] [--after AFTER.json]
 
 Run it with an older checkout's interpreter (its mirrorsd installed) and --json to record the "before" column, then
 with this one and --before to print both columns side by side (--after prints a recorded run instead of running);
@@ -15,10 +15,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from catalogue import Workspace, execute  # noqa: E402
 from catalogue_cases import CASES  # noqa: E402
+from catalogue_native import CASES as NATIVE_CASES  # noqa: E402
+
+CASES = CASES + NATIVE_CASES
 from catalogue_fixtures import build_fixtures  # noqa: E402
 
 

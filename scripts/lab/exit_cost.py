@@ -1,6 +1,6 @@
 """What the early exit costs inside one Mirror-SD verification step: full exit head vs the sparse one.
 
-    python scripts/exit_cost.py EXPORT_DIR [--context 300] [--width 5] [--candidates 4] [--threads 2] [--repeats 9]
+    python scripts/lab/exit_cost.py EXPORT_DIR [--context 300] [--width 5] [--candidates 4] [--threads 2] [--repeats 9]
 
 Prefills random ids to --context, then times (median of --repeats, the cache truncated back each time) the parts of
 one target forward of --width rows: prefix, full exit head (exit_head.onnx: LM-head pass + top-k), sparse exit head

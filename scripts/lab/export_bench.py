@@ -2,10 +2,10 @@
 
     # how peak RSS and time scale with depth: random Qwen2-architecture models (hidden 2048, 36 layers = ~3B),
     # bf16 checkpoints built from a config (no download), exported with --precision int4 --draft-layers 4
-    python scripts/export_bench.py scaling --layers 9 18 36 --work /tmp/xb --curve /tmp/xb/curve.csv
+    python scripts/lab/export_bench.py scaling --layers 9 18 36 --work /tmp/xb --curve /tmp/xb/curve.csv
 
     # one export, several exporter commands side by side (e.g. an older checkout), graphs compared with a reference
-    python scripts/export_bench.py pair --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --work /tmp/xb \
+    python scripts/lab/export_bench.py pair --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --work /tmp/xb \
         --exporter new=".venv/bin/mirrorsd-export" --exporter old="python -m mirrorsd.export.cli" \
         --reference /work/exports/qwen
 

@@ -1,6 +1,6 @@
 """Sampled decoding on an export folder: acceptance, reuse and speedup of sd / mirror under both verification rules.
 
-    python scripts/sampling_bench.py EXPORT_DIR [--prompts 4] [--tokens 40] [--temperatures 1.0,0.7]
+    python scripts/lab/sampling_bench.py EXPORT_DIR [--prompts 4] [--tokens 40] [--temperatures 1.0,0.7]
 
 Same prompts, same seeds, one run. With the exact rule every committed token is a target draw keyed by
 (seed, position), so sd/mirror must reproduce ar's sampled tokens exactly; the script checks that.

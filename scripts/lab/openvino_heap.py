@@ -1,8 +1,8 @@
 """RSS per 1k tokens over identical 10k-token runs in one process, and what glibc's heap holds after each.
 
-    python scripts/openvino_heap.py [--runs 3] [--tokens 10000] [--draft openvino:CPU] [--every N] [--trim] [--shapes]
+    python scripts/lab/openvino_heap.py [--runs 3] [--tokens 10000] [--draft openvino:CPU] [--every N] [--trim] [--shapes]
 
-The setup of tests/test_long_run.py (the tiny 2-layer model of scripts/openvino_memory.py, target on ONNX Runtime's
+The setup of tests/test_long_run.py (the tiny 2-layer model of scripts/lab/openvino_memory.py, target on ONNX Runtime's
 CPU provider, 1 + 1 threads, mirror with two branches). Prints per run: RSS at each 1k (MiB), then glibc's mallinfo2
 (heap bytes, in use, free inside the heap, mmapped). --every N trims every N OpenVINO calls instead of
 devices/heap.py's TRIM_EVERY (-1: no trims); --trim calls malloc_trim(0) after each run and prints the RSS after it;

@@ -1,6 +1,6 @@
 """Memory and speed of the draft on OpenVINO's CPU plugin against ONNX Runtime, over a long generation.
 
-    python scripts/openvino_memory.py [--tokens 4000] [--mode mirror] [--variants ort,ov-default,ov-cache0,...]
+    python scripts/lab/openvino_memory.py [--tokens 4000] [--mode mirror] [--variants ort,ov-default,ov-cache0,...]
 
 Builds (once, in --work) the tiny 2-layer model of tests/test_long_run.py with 10,240 positions, exported with
 itself as the draft and no EOS, then runs one generation per variant, each in a fresh process, and prints a table:
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is scripts/lab/openvino_memory.py)
 PROMPT = [1, 17, 42, 99, 7]
 
 

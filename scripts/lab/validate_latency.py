@@ -1,6 +1,6 @@
 """Predicted against measured: the latency model (runtime/planner/latency.py) on a measured profile, against bench runs.
 
-    python scripts/validate_latency.py --profile ~/.cache/mirrorsd/profiles/qwen-t4d4-XXXX.json \
+    python scripts/lab/validate_latency.py --profile ~/.cache/mirrorsd/profiles/qwen-t4d4-XXXX.json \
         --runs bench_a/runs.json:2+2 --runs bench_b/runs.json:1+1 [--gamma 4]
 
 Each --runs is a `mirrorsd bench` runs.json and the thread split its own modes ran with (ar-Nt / sd-Nt rows run

@@ -1,6 +1,6 @@
 """How far mirrorsd's MatMulNBits kernel is from the fp32 product, beside ONNX Runtime's kernels, on random data.
 
-    python scripts/kernel_accuracy.py [--k 1536 --n 1536 --rows 8] [--bits 4]
+    python scripts/lab/kernel_accuracy.py [--k 1536 --n 1536 --rows 8] [--bits 4]
 
 Quantizes W ~ N(0, 0.03^2) [K, N] with ONNX Runtime's MatMulNBitsQuantizer (symmetric, block 32) and runs
 A ~ N(0, 1) [rows, K] through ONNX Runtime at accuracy levels 4 and 1 and through mirrorsd's kernel; prints max |diff|

@@ -1,12 +1,12 @@
 """The target on OpenVINO's CPU plugin, setting by setting, against ONNX Runtime and OpenVINO GenAI, in one run.
 
-    python scripts/openvino_target.py EXPORT_DIR [--prompts 3] [--tokens 64] [--threads 2] [--variants a,b]
+    python scripts/lab/openvino_target.py EXPORT_DIR [--prompts 3] [--tokens 64] [--threads 2] [--variants a,b]
                                       [--genai] [--output report.json]
 
 For each variant of the target's graphs (prefix + suffix, f32 inference precision hint):
   step costs      one forward of 1 row and of a gamma + 1 = 5 row window, median over the decode (ms)
   invariance      each window's logits against the same tokens decoded one row at a time (max |diff|, argmax
-                  flips), the check of scripts/window_invariance.py; 0.0 = bitwise
+                  flips), the check of scripts/lab/window_invariance.py; 0.0 = bitwise
   decode          target-only greedy decoding of the SpecBench prompts: decode tok/s (after the first token)
   sd parity       for the settings that the runtime allows (OpenVINOTuning.inexact() == ""): sd's tokens against
                   ar's, and sd's tok/s (draft on ONNX Runtime CPU)
@@ -246,13 +246,13 @@ def main() -> None:
     parser.add_argument("--draft", action="store_true", help="also time one draft forward per draft setting")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    from mirrorsd.apps.bench import default_questions, load_questions
+    from mirrorsd import specbench
     from mirrorsd.runtime.text import TextCodec
 
     manifest = load_manifest(args.folder)
     codec = TextCodec(args.folder, manifest)
-    questions = load_questions(default_questions(), (), 1)[: args.prompts]
-    prompts = [codec.encode(q["turns"][0]) for q in questions]
+    questions = specbench.first_per_category(specbench.read(), (), 1)[: args.prompts]
+    prompts = [codec.encode(q.text) for q in questions]
     rows = []
     for name in args.variants.split(","):
         rows.append(measure(args.folder, name, prompts, args, manifest))
@@ -265,7 +265,7 @@ def main() -> None:
         rows[-1].same_ar = f"{same}/{len(prompts)}"
         print(table(rows[-1:]).splitlines()[-1], json.dumps(rows[-1].graph), flush=True)
     drafts = draft_costs(args.folder, manifest, prompts[0], args.threads) if args.draft else []
-    print(f"\n{len(prompts)} SpecBench prompts ({', '.join(q['category'] for q in questions)}) x {args.tokens} "
+    print(f"\n{len(prompts)} SpecBench prompts ({', '.join(q.category for q in questions)}) x {args.tokens} "
           f"tokens, {args.threads} threads, f32 inference precision hint\n{table(rows)}")
     if drafts:
         print("\n| draft setting | 1 row ms |\n|---|---|\n" + "\n".join(drafts))
