@@ -24,13 +24,13 @@ import torch.nn.functional as F
 
 from mirrorsd import specbench
 from mirrorsd.errors import ExportOptionError, OutputFolderError
-from mirrorsd.export.streaming import checkpoint, data
+from mirrorsd.export.streaming import checkpoint, checks, data
 from mirrorsd.export.streaming.evaluate import evaluate, sample_inputs
 from mirrorsd.export.streaming.lora import add_adapters, merge_adapters
 from mirrorsd.user_files import resolved
 from mirrorsd.export.streaming.model import (EMBEDDINGS_FILE, EMBEDDINGS_KEY, STREAM_LOSS_WEIGHT, STREAMING_FILE,
                                              StreamingConfig, StreamingDraft)
-from mirrorsd.export.streaming.options import METHODS, TrainOptions
+from mirrorsd.export.streaming.options import TrainOptions
 
 EMBEDDING_LR_SCALE = 10.0  # Adam moves a weight by ~lr per step whatever its size; the stream embeddings live at
 #                            the residual stream's scale (about 1), far above adapter weights, so they get 10x
@@ -56,10 +56,10 @@ def train(options: TrainOptions, log=lambda line: print(line, file=sys.stderr, f
     from mirrorsd.output_folder import StagedFolder, publish
 
     started = time.perf_counter()
-    _check_options(options)
+    checks.check_options(options)
     output = resolved(options.output, "--output", OutputFolderError)
     record = _prepare_output(options, output)
-    _check_sources(options)  # config and tokenizer only: before the target answers a single prompt
+    checks.check_sources(options)  # config and tokenizer only: before the target answers a single prompt
     threads = torch.get_num_threads()
     torch.set_num_threads(options.threads or threads)
     try:
@@ -101,7 +101,7 @@ def _train(options: TrainOptions, output: Path, final: Path, record: dict | None
                                 "tokens or more", "pass more prompts (--prompts, --train-prompts, --eval-prompts) "
                                 "or a larger --max-new-tokens")
     draft = load_model(options.draft)
-    _check_draft(options, draft, train_set + eval_set)
+    checks.check_draft(options, draft, train_set + eval_set)
     run = _setup(options, draft, train_set)
     step, spent = 0, 0.0
     before = record.get("evaluation_before") if record else None
@@ -360,67 +360,6 @@ def _prepare_output(options: TrainOptions, output: Path) -> dict | None:
         (output / STREAMING_FILE).unlink(missing_ok=True)  # the folder is incomplete until _finalize
         return record
     return None  # a new run: written into a scratch folder and published at the end (a --force run included)
-
-
-def _check_options(options: TrainOptions) -> None:
-    """Every flag, before any file is read: the method, and each number in its range (options.limits)."""
-    from mirrorsd import ranges
-    from mirrorsd.export.streaming.options import limits
-
-    if options.method not in METHODS:
-        raise ExportOptionError(f"--method {options.method!r} is unknown", f"it is one of {', '.join(METHODS)}",
-                                "pick one of them (lora is the default)")
-    ranges.check(options, limits(), ExportOptionError)
-
-
-def _check_sources(options: TrainOptions) -> None:
-    """What the draft and target configs decide, read without a weight: the draft has --stream-layers layers to
-    carry the streams, and the target's vocabulary (the draft learns the target's token ids)."""
-    draft_layers, draft_vocab = _sizes(options.draft)
-    if options.stream_layers > draft_layers:
-        raise ExportOptionError(f"--stream-layers {options.stream_layers} is out of range",
-                                f"the draft has {draft_layers} layers", "pick fewer stream layers")
-    if data.is_export_folder(options.target):
-        from mirrorsd.manifest import load_manifest
-
-        target_vocab = load_manifest(Path(options.target).expanduser()).target.vocab_size
-    else:
-        target_vocab = _sizes(options.target)[1]
-    if target_vocab > draft_vocab:
-        raise ExportOptionError("The draft cannot read the target's answers",
-                                f"the target's vocabulary has {target_vocab} entries, the draft's {draft_vocab}",
-                                "use a draft with the target's tokenizer")
-
-
-def _sizes(model) -> tuple[int, int]:
-    """(layers, vocabulary rows) of a model: from a Hugging Face folder's checked config.json (no transformers
-    import), else from its opened config (a .gguf file, a pinned name)."""
-    from mirrorsd.export.loading import open_model, source_path
-    from mirrorsd.export.source_checks import check_config_object
-    from mirrorsd.errors import ModelSourceError
-    from mirrorsd.user_files import JSON_LIMIT, read_json
-
-    config = source_path(model) / "config.json"
-    if config.is_file():
-        raw = read_json(config, JSON_LIMIT, lambda why: ModelSourceError(f"Cannot read {config}", why,
-                                                                         "restore the model's config.json"))
-        raw = check_config_object(raw, config)
-        if raw.get("num_hidden_layers") and raw.get("vocab_size"):  # else (a nested config): transformers reads it
-            return raw["num_hidden_layers"], raw["vocab_size"]
-    info = open_model(model).info
-    return info.num_layers, info.vocab_size
-
-
-def _check_draft(options: TrainOptions, draft, samples: list[data.Sample]) -> None:
-    if options.stream_layers > draft.info.num_layers:
-        raise ExportOptionError(f"--stream-layers {options.stream_layers} is out of range",
-                                f"the draft has {draft.info.num_layers} layers", "pick fewer stream layers")
-    top = max((max(s.tokens) for s in samples), default=0)
-    if top >= draft.info.vocab_size or not samples:
-        raise ExportOptionError("The draft cannot read the target's answers",
-                                f"token id {top} vs draft vocabulary {draft.info.vocab_size}" if samples
-                                else "no answer has two tokens or more",
-                                "use a draft with the target's tokenizer, and prompts the target answers")
 
 
 def _target(options: TrainOptions):
