@@ -130,17 +130,18 @@ class OrtSession:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
-        opts.intra_op_num_threads = max(1, settings.threads)
-        opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
-        # Two sessions share two cores in Mirror-SD: spinning threads would steal the other session's core.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if settings.shared_pool:
+        if settings.shared_pool:  # thread counts and spinning are the pool's (set here, ONNX Runtime warns)
             from mirrorsd.devices.thread_pool import use_shared_pool
 
             use_shared_pool(opts, max(1, settings.threads))
+            return opts
+        opts.intra_op_num_threads = max(1, settings.threads)
+        opts.inter_op_num_threads = 1
+        # Two sessions share two cores in Mirror-SD: spinning threads would steal the other session's core.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         return opts
 
     def _open(self, make, path: Path) -> None:

@@ -362,3 +362,6 @@ def _(w):
 def _(w):
     return python_run(w, "import warnings\nwarnings.simplefilter('error')\nfrom mirrorsd.runtime import Pipeline\n"
                          "with Pipeline.load('export') as p:\n    print(len(p.generate([1, 2, 3]).tokens))")
+
+
+import catalogue_cases_round3  # noqa: E402,F401 - registers the cases of round three (caches, trainers, files)
