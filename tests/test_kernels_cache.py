@@ -9,7 +9,7 @@ import pytest
 from kernel_cache_damage import HOW, copying_compiler, damage, entry, links
 from kernel_graphs import library_or_skip, model_bytes, random_layers, run
 
-from mirrorsd.errors import KernelsUnavailableError
+from mirrorsd.errors import DeviceError, KernelsUnavailableError
 from mirrorsd.devices import kernels
 from mirrorsd.devices.kernels import build
 from mirrorsd.devices.kernels import cache as cache_entries
@@ -76,6 +76,8 @@ def test_when_the_rebuild_fails_too_onnx_runtimes_kernels_run_and_say_so(built, 
         warnings.simplefilter("error")  # settled once per process: no second line, no second build
         assert resolve_kernels("auto")[0] == "ort"
         assert kernels.build_id() is None
+        with pytest.raises(DeviceError, match="mirrorsd's kernels cannot run here"):
+            resolve_kernels("mirrorsd")  # asked for by name: an error with the reason, not a fallback
     assert links(compiler) == tried
 
 
