@@ -44,6 +44,8 @@ def test_llama_server_commands_per_mode(tmp_path):
     assert str(draft) not in ar and "--spec-type" not in ar
     assert sd[sd.index("--model-draft") + 1] == str(draft)
     assert ngram[ngram.index("--spec-type") + 1].startswith("ngram") and str(draft) not in ngram
+    assert server_command(binary, "llama-ar", target, draft, 8123, 2, "--no-repack -fa on")[-3:] == [
+        "--no-repack", "-fa", "on"]  # $MIRRORSD_LLAMA_ARGS, split as a shell would
     for command in (ar, sd, ngram):  # loopback only, one slot, the given threads
         assert command[command.index("--host") + 1] == "127.0.0.1"
         assert command[command.index("--parallel") + 1] == "1" and command[command.index("--threads") + 1] == "2"
