@@ -3,7 +3,8 @@
 ``llama-ar``
     the target alone.
 ``llama-sd``
-    speculative decoding with the draft GGUF (``--model-draft``), llama.cpp's defaults for the window.
+    speculative decoding with the draft GGUF (``--model-draft`` with ``--spec-type draft-simple``: this llama.cpp
+    infers a type only for MTP/DFlash drafts and drafts nothing otherwise), llama.cpp's defaults for the window.
 ``llama-ngram``
     its n-gram lookup proposer (``--spec-type ngram-simple``): drafts copied from an earlier match of the last
     tokens, no draft model.
@@ -42,7 +43,7 @@ START_TIMEOUT_S = 300.0  # loading and repacking a GGUF on a slow, shared machin
 SOURCE_RECORD = "mirrorsd_source.json"  # written by mirrorsd fetch beside the HF folder: the GGUF it came from
 MODE_FLAGS = {  # bench mode -> llama-server flags beyond the target (DRAFT: the draft GGUF's path)
     "llama-ar": (),
-    "llama-sd": ("--model-draft", "DRAFT"),
+    "llama-sd": ("--model-draft", "DRAFT", "--spec-type", "draft-simple"),  # a draft GGUF alone drafts nothing
     "llama-ngram": ("--spec-type", "ngram-simple"),
 }
 
@@ -208,7 +209,7 @@ class LlamaCppPeer:
         draft = gguf_for(models.draft, models.draft_gguf, "draft") if "llama-sd" in modes else target
         self.eos_ids = tuple(eos_ids)
         user_args = os.environ.get(ARGS_ENV, "")
-        self.files = {"target_gguf": target.name, **({"draft_gguf": draft.name} if "llama-sd" in modes else {}),
+        self.files = {"target_gguf": target.name, "draft_gguf": draft.name,
                       **({"server_args": user_args} if user_args else {})}
         self.servers: dict[str, LlamaServer] = {}
         try:
@@ -226,7 +227,7 @@ class LlamaCppPeer:
         seconds = time.perf_counter() - start
         tokens, timings = parse_completion(body, self.eos_ids)
         stats = llama_stats(mode, len(ids), tokens, self.eos_ids, seconds, timings)
-        stats["placement"].update(self.files)
+        stats["placement"].update({k: v for k, v in self.files.items() if k != "draft_gguf" or mode == "llama-sd"})
         return PeerOutput(tokens, stats)
 
     def close(self) -> None:
