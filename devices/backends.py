@@ -83,7 +83,7 @@ class SessionSettings:
     fixed_shapes: bool = False  # compile one static-shape variant per input shape seen (what an NPU needs)
     openvino: OpenVINOTuning = OpenVINOTuning()
     kv_pairs: tuple[tuple[str, str], ...] = ()  # (past input, present output) names; a stateful graph needs them
-    kernels: str = "ort"  # ONNX Runtime CPU: "mirrorsd" runs runtime/kernels' MatMulNBits (devices/kernel_choice.py)
+    kernels: str = "ort"  # ONNX Runtime CPU: "mirrorsd" runs devices/kernels' MatMulNBits (devices/kernel_choice.py)
     shared_pool: bool = False  # ONNX Runtime: the process's one spinning pool (devices/thread_pool.py)
 
 
@@ -115,8 +115,8 @@ class OrtSession:
             opts.enable_mem_pattern = False  # DirectML's documented requirement
         self.kernels = "ort"
         if settings.kernels == "mirrorsd" and provider == "CPUExecutionProvider":
-            from mirrorsd.runtime import kernels
-            from mirrorsd.runtime.kernels.rewrite import imports_ort_domain
+            from mirrorsd.devices import kernels
+            from mirrorsd.devices.kernels.rewrite import imports_ort_domain
 
             # Only graphs that hold MatMulNBits: registering the replacement claims ONNX Runtime's contrib domain,
             # and a graph that does not import it then fails to load the contrib ops its optimizer fuses in.
@@ -130,17 +130,18 @@ class OrtSession:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
-        opts.intra_op_num_threads = max(1, settings.threads)
-        opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
-        # Two sessions share two cores in Mirror-SD: spinning threads would steal the other session's core.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if settings.shared_pool:
+        if settings.shared_pool:  # thread counts and spinning are the pool's (set here, ONNX Runtime warns)
             from mirrorsd.devices.thread_pool import use_shared_pool
 
             use_shared_pool(opts, max(1, settings.threads))
+            return opts
+        opts.intra_op_num_threads = max(1, settings.threads)
+        opts.inter_op_num_threads = 1
+        # Two sessions share two cores in Mirror-SD: spinning threads would steal the other session's core.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         return opts
 
     def _open(self, make, path: Path) -> None:

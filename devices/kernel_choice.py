@@ -1,4 +1,4 @@
-"""Which MatMulNBits kernel ONNX Runtime CPU sessions run: mirrorsd's (runtime/kernels) or ONNX Runtime's own.
+"""Which MatMulNBits kernel ONNX Runtime CPU sessions run: mirrorsd's (devices/kernels) or ONNX Runtime's own.
 
     auto      mirrorsd's when it builds and runs a fast path on this CPU, else ONNX Runtime's (the reason is kept for
               ``mirrorsd devices`` and the generation statistics, not warned: nothing the user asked for was refused)
@@ -25,7 +25,7 @@ def resolve_kernels(asked: str) -> tuple[str, str]:
         raise DeviceError(f"Unknown kernels '{asked}'", f"the choices are {', '.join(CHOICES)}", "pick one")
     if asked == ORT:
         return ORT, ""
-    from mirrorsd.runtime import kernels
+    from mirrorsd.devices import kernels
 
     try:
         kernels.usable_library()  # builds the library once into the cache when it is missing

@@ -2,7 +2,7 @@
 
 A target quantized with int8 activations (accuracy level 4, what a grouped-attention export gets) is only exact under
 sd/mirror if each row of a verification window gets bitwise the logits that decoding it alone gets. mirrorsd's
-kernels (runtime/kernels) are built that way on every path. ONNX Runtime's are measured: on AVX-512 VNNI CPUs (an
+kernels (devices/kernels) are built that way on every path. ONNX Runtime's are measured: on AVX-512 VNNI CPUs (an
 AMD Zen 4, an Intel Xeon) its one-row and several-row paths agreed bit for bit; on an AVX2-only AMD EPYC they did not
 (a Qwen-shaped tiny target drifted visibly between a window and one-row decoding, and sd left ar's tokens;
 docs/platform-notes.md, ONNX Runtime).
@@ -18,8 +18,8 @@ import os
 
 import numpy as np
 
-from mirrorsd.runtime.graph_files import message_field as _msg
-from mirrorsd.runtime.graph_files import varint_field as _varint
+from mirrorsd.onnx_wire import message_field as _msg
+from mirrorsd.onnx_wire import varint_field as _varint
 
 INT8_ACTIVATIONS = 4  # MatMulNBits accuracy level whose exactness depends on the kernel
 BLOCK = 32

@@ -12,8 +12,8 @@ import functools
 import threading
 from dataclasses import dataclass
 
-from mirrorsd.runtime.graph_files import message_field as _msg
-from mirrorsd.runtime.graph_files import varint_field as _varint_field
+from mirrorsd.onnx_wire import message_field as _msg
+from mirrorsd.onnx_wire import varint_field as _varint_field
 
 ORT_CPU = "CPUExecutionProvider"
 ORT_ACCELERATORS = ("CUDAExecutionProvider", "DmlExecutionProvider")  # the ones the placement policy uses

@@ -174,8 +174,9 @@ def _stub(name: str, array: np.ndarray):
 
 
 def write_stack(stack: Stack, pieces: dict, source, path: Path, precision: str, model_kind: str,
-                on_piece: Callable[[int, int], None] = lambda done, total: None) -> Path:
-    """Write ``path`` (+ ``path.data`` when it passes 2 GB) piece by piece; ``on_piece(done, total)`` after each."""
+                on_piece: Callable[[int, int], None] = lambda done, total: None, blocks=None) -> Path:
+    """Write ``path`` (+ ``path.data`` when it passes 2 GB) piece by piece; ``on_piece(done, total)`` after each.
+    ``blocks``: a gguf_blocks.BlockPlan (GGUF blocks carried where they map exactly), or None."""
     from onnx import helper
 
     from mirrorsd.export.graphs.attention import KIND
@@ -190,7 +191,7 @@ def write_stack(stack: Stack, pieces: dict, source, path: Path, precision: str, 
         for done, instance in enumerate(placed, 1):
             model, rest = piece_model(instance, source, opset, ir_version, precision in QUANTIZED)
             if precision in QUANTIZED:
-                model = quantize_model(model, precision, model_kind, KIND)
+                model = quantize_model(model, precision, model_kind, KIND, blocks, path.stem)
             # copies, not references: a sub-message keeps its whole model (this piece's weights) alive
             initializers += [_detached(data.add_proto(t)) for t in model.graph.initializer if not t.external_data]
             initializers += [data.add(name, rest.pop(name)) for name in list(rest)]

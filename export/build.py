@@ -3,7 +3,7 @@
     1. write each graph     Stack  -> assembly.write_stack: piece by piece, quantized as it is written
                             Traced -> onnx_writer.write_onnx: traced whole, the model's weights all loaded
     2. validate             each graph module against PyTorch, one ONNX Runtime session at a time; a graph written
-                            quantized is checked in fp32 piece by piece (validate.ChainRunner)
+                            quantized is checked in fp32 piece by piece (chain_runner.ChainRunner)
     3. quantize the rest    graphs written in fp32 that --precision quantizes (traced ones), then the effect of
                             quantization on the model's logits, recorded on the graph that outputs them
 
@@ -20,6 +20,7 @@ from typing import Any
 
 from mirrorsd import names
 from mirrorsd.errors import UnsupportedArchitectureError
+from mirrorsd.export.gguf_blocks import block_plan
 from mirrorsd.export.graphs.base import HEAD_TOPK, LAYER, STEM_IDS, Stack, Traced
 from mirrorsd.export.resume import BUILDING, ResumeState
 
@@ -35,6 +36,7 @@ class ModelJob:
     exit_layer: int
     top_k: int
     whole_graphs: bool  # trace every graph whole, as before layer streaming
+    gguf_blocks: str = "exact"  # a GGUF source's blocks: carried where they map exactly (gguf_blocks.py)
 
 
 def run_job(job: ModelJob, scratch: Path, state: ResumeState, progress: Callable[[str], None],
@@ -45,11 +47,16 @@ def run_job(job: ModelJob, scratch: Path, state: ResumeState, progress: Callable
     chained = {m.ROLE for m in job.modules if _quantized_while_written(m, builds[m.ROLE], job)}
     results = state.validated.get(job.model) if not todo else None
     pieces = Pieces(job, builds, progress)
+    blocks = block_plan(job.source, job.precision, job.gguf_blocks)
     for module in todo:
-        _write(module, builds[module.ROLE], pieces, job, scratch, progress, on_layer)
+        _write(module, builds[module.ROLE], pieces, job, scratch, progress, on_layer, blocks)
         state.mark_built(module.ROLE)
     if results is None:
         results = _validate_and_quantize(job, builds, pieces, chained, scratch, state, progress)
+        if blocks is not None:  # what the GGUF's blocks became in each graph written quantized
+            for role in results:
+                results[role].update(blocks.report(role))
+            state.record(job.model, results)
     return {m.ROLE: (m, builds[m.ROLE], results[m.ROLE]) for m in job.modules}
 
 
@@ -111,7 +118,7 @@ class Pieces:
         return self.get(torch.float32)
 
 
-def _write(module, build, pieces: Pieces, job: ModelJob, scratch: Path, progress, on_layer) -> None:
+def _write(module, build, pieces: Pieces, job: ModelJob, scratch: Path, progress, on_layer, blocks=None) -> None:
     from mirrorsd.export import onnx_writer
     from mirrorsd.export.assembly import write_stack
 
@@ -126,7 +133,8 @@ def _write(module, build, pieces: Pieces, job: ModelJob, scratch: Path, progress
                  f"writing {module.ROLE}{_precision_note(module, job).replace(',', ' in')}")
         precision = job.precision if module.QUANTIZED else "fp32"
         write_stack(build, traced, job.source, building / file, precision, job.model,
-                    lambda done, total: on_layer(module.ROLE, done, total))
+                    lambda done, total: on_layer(module.ROLE, done, total),
+                    blocks if precision == job.precision else None)
     else:
         progress(f"tracing {module.ROLE} (the whole {job.model} in memory)")
         with job.source.weights.materialized() as model:
@@ -143,7 +151,7 @@ def _precision_note(module, job: ModelJob) -> str:
 
 def _validate_and_quantize(job: ModelJob, builds: dict, pieces: Pieces, chained: set, scratch: Path,
                            state: ResumeState, progress) -> dict[str, dict]:
-    from mirrorsd.export import validate
+    from mirrorsd.export import chain_runner, validate
     from mirrorsd.export.graphs.attention import KIND
     from mirrorsd.export.quantize import QUANTIZED, quantize_graph
 
@@ -153,7 +161,7 @@ def _validate_and_quantize(job: ModelJob, builds: dict, pieces: Pieces, chained:
         build = builds[module.ROLE]
         how = " (fp32, piece by piece)" if module.ROLE in chained else ""
         progress(f"validating {module.ROLE} against PyTorch{how}")
-        runner = validate.ChainRunner(build, pieces.fp32(), job.source) if module.ROLE in chained else \
+        runner = chain_runner.ChainRunner(build, pieces.fp32(), job.source) if module.ROLE in chained else \
             validate.FileRunner(scratch / names.graph_file(module.ROLE), build.io.kv)
         checks[module.ROLE] = module.validate(validate.Validation(job.source, runner, job.exit_layer, shared))
         del runner  # one session at a time: a graph's weights leave memory before the next graph's come in
@@ -186,4 +194,11 @@ def _effect(job: ModelJob, builds: dict, shared: dict, scratch: Path) -> dict[st
     before = shared[owner.ROLE]["full"][names.LOGITS]
     kv = {role: build.io.kv for role, build in builds.items()}
     after, mask = validate.model_logits(scratch, job.model, job.source.info, job.exit_layer, kv)
-    return {owner.ROLE: validate.quantization_effect(job.model, before, after, mask)}
+    effect = validate.quantization_effect(job.model, before, after, mask)
+    text = validate.text_batch(job.source.tokenizer, job.source.info)
+    if text is not None:  # and on real text: the fp32 model in PyTorch against the quantized files
+        info = job.source.info
+        reference = validate.torch_reference(job.source, *text, info.num_layers, None)[0]
+        quantized, _ = validate.model_logits(scratch, job.model, info, job.exit_layer, kv, batch=text)
+        effect.update(validate.text_agreement(job.model, reference, quantized))
+    return {owner.ROLE: effect}

@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(cheap, accepts little; default when no --draft: N/4)")
     flags.add(src, E, "trust_remote_code",
               help="allow models that ship their own Python code (off by default: it runs that code)")
+    flags.add(src, E, "draft_vocab", type=int, metavar="N",
+              help="the draft's LM head scores only N ids (its special tokens, then the tokenizer's ranking: BPE merge "
+                   "order); a smaller head, the same output (the target checks every token), maybe fewer accepted "
+                   "tokens (default: the whole vocabulary)")
     cut = parser.add_argument_group("split")
     flags.add(cut, E, "exit_layer", type=int, metavar="L",
               help="early-exit layer, 1..N-1 (default: N/2, or the latency model's choice with --exit-hits and "
@@ -71,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--target-precision", choices=PRECISIONS, help="overrides --precision")
     prec.add_argument("--draft-precision", choices=PRECISIONS,
                       help="overrides --precision; an int4 draft beside an fp32/int8 target is the cheap-draft lever")
+    flags.add(prec, E, "gguf_blocks", choices=("exact", "widen", "requantize"),
+              help="a .gguf source's quantized blocks: exact carries the tensors whose format maps exactly onto the "
+                   "precision's MatMulNBits (int4: Q4_0; int8: Q4_0, Q5_0, Q8_0) instead of dequantizing and "
+                   "quantizing them again; widen also carries Q5_0/Q8_0 tensors at 8 bits in an int4 export; "
+                   "requantize carries none. The manifest counts what was carried and what requantized, per format "
+                   "(docs/quality.md)")
     out = parser.add_argument_group("output")
     flags.add(out, E, "output", "--output", "-o", required=True, type=Path,
               help="a new folder of its own (absent or empty; never the model's folder or one holding it)")

@@ -16,7 +16,6 @@ prediction, labelled so.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mirrorsd.errors import ExportOptionError, ProfileError
@@ -24,25 +23,19 @@ from mirrorsd.errors import ExportOptionError, ProfileError
 TOPK = 4  # the hit rate the table ranks by: the exit's top-4 (the draft's runner-up candidates are 4 per row)
 
 
-def choose_exit_layer(hits_file: Path, profile_file: Path, num_layers: int, kind: str = "trained") -> dict:
-    """The exit layer of a target with ``num_layers`` layers that the latency model predicts fastest (see the
-    module docstring), with the table behind it."""
+def read_inputs(hits_file: Path, profile_file: Path, kind: str = "trained"):
+    """(hits by layer, the swept model's layer count or None, the profile): both files read and checked, before
+    the export opens a model (a bad file fails in a second)."""
     from mirrorsd.runtime.planner import profile as profiles
-    from mirrorsd.runtime.planner.exit_layer import (exit_layer_table, format_exit_table, noexit_tokens_per_second,
-                                                     read_hits)
+    from mirrorsd.runtime.planner.exit_layer import read_hits
+    from mirrorsd.user_files import JSON_LIMIT, read_json
 
     fix = "pass the --json output of mirrorsd-exit-sweep for this target, or give --exit-layer L"
+    fail = lambda why: ExportOptionError(f"Cannot read the exit-layer sweep {hits_file}", why, fix)  # noqa: E731
     try:
-        hits, swept = read_hits(json.loads(Path(hits_file).read_text(encoding="utf-8")), TOPK, kind)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ExportOptionError(f"Cannot read the exit-layer sweep {hits_file}", str(exc), fix) from None
-    if swept is not None and swept != num_layers:
-        raise ExportOptionError(f"The sweep {hits_file} is of a {swept}-layer model",
-                                f"this target has {num_layers} layers", fix)
-    hits = {layer: hit for layer, hit in hits.items() if 1 <= layer <= num_layers - 1}
-    if not hits:
-        raise ExportOptionError(f"The sweep {hits_file} holds no layer in 1..{num_layers - 1}",
-                                "an exit layer needs at least one layer before and after it", fix)
+        hits, swept = read_hits(read_json(hits_file, JSON_LIMIT, fail), TOPK, kind)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise fail(str(exc)) from None
     try:
         profile = profiles.load(profile_file)
     except ProfileError as exc:
@@ -53,6 +46,23 @@ def choose_exit_layer(hits_file: Path, profile_file: Path, num_layers: int, kind
         raise ExportOptionError(f"The profile {profile_file} has no acceptance statistics",
                                 "reuse with and without the exit head anchors the prediction",
                                 "measure it with `mirrorsd devices --profile --model EXPORT`, or give --exit-layer L")
+    return hits, swept, profile
+
+
+def choose_exit_layer(hits_file: Path, profile_file: Path, num_layers: int, kind: str = "trained") -> dict:
+    """The exit layer of a target with ``num_layers`` layers that the latency model predicts fastest (see the
+    module docstring), with the table behind it."""
+    from mirrorsd.runtime.planner.exit_layer import exit_layer_table, format_exit_table, noexit_tokens_per_second
+
+    fix = "pass the --json output of mirrorsd-exit-sweep for this target, or give --exit-layer L"
+    hits, swept, profile = read_inputs(hits_file, profile_file, kind)
+    if swept is not None and swept != num_layers:
+        raise ExportOptionError(f"The sweep {hits_file} is of a {swept}-layer model",
+                                f"this target has {num_layers} layers", fix)
+    hits = {layer: hit for layer, hit in hits.items() if 1 <= layer <= num_layers - 1}
+    if not hits:
+        raise ExportOptionError(f"The sweep {hits_file} holds no layer in 1..{num_layers - 1}",
+                                "an exit layer needs at least one layer before and after it", fix)
     best = None
     for costs, detail in zip(profile.splits, profile.detail or ({},) * len(profile.splits)):
         base = (detail or {}).get("exit_layer")

@@ -33,10 +33,10 @@ import tempfile
 from pathlib import Path
 
 from mirrorsd.errors import ExportOptionError
-from mirrorsd.names import PRECISIONS
+from mirrorsd.names import PRECISIONS, WEIGHT_BITS
 
 QUANTIZED = ("int8", "int4")  # what quantize_model does; fp16 graphs are traced in fp16 (templates.py)
-BITS = {"int8": 8, "int4": 4}
+BITS = WEIGHT_BITS
 BLOCK = 32  # quantization block along K: accurate and fast for these models (docs/platform-notes.md, ONNX Runtime)
 PROTOBUF_LIMIT = 2 * 1024**3 - 64 * 1024**2
 
@@ -56,14 +56,26 @@ def accuracy_level(model: str, attention: str) -> int:
     return INT8_ACTIVATIONS if model == "draft" or attention == "grouped" else FP32_ACTIVATIONS
 
 
-def quantize_model(model, precision: str, kind: str = "target", attention: str = "eager"):
+def quantize_model(model, precision: str, kind: str = "target", attention: str = "eager", blocks=None,
+                   role: str = "", rounding=None):
     """The one quantization step, for whole graphs and for the pieces of a layer-streamed export alike: every
     MatMul whose weight is an initializer becomes MatMulNBits (``attention``: the folder's ``Manifest.attention``). Each MatMul's result depends on its weight and the
-    settings above only, so quantizing a graph piece by piece equals quantizing it whole."""
+    settings above only, so quantizing a graph piece by piece equals quantizing it whole.
+    ``blocks``: a gguf_blocks.BlockPlan whose carried GGUF blocks replace quantizing the weights it maps exactly
+    (same bits, block and no zero points), counted under graph ``role``. ``rounding``: a rounding.RoundingOptions
+    that replaces ONNX Runtime's round-to-nearest by a scale search and/or an 8-bit LM head (same layout)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     fold_weight_identities(model.graph)
+    if blocks is not None:
+        from mirrorsd.export.gguf_blocks import replace_matmuls
+
+        replace_matmuls(model, blocks, role, accuracy_level(kind, attention))
+    if rounding is not None and rounding.active:
+        from mirrorsd.export.rounding import round_matmuls
+
+        round_matmuls(model, rounding, BITS[precision], accuracy_level(kind, attention))
     quantizer = MatMulNBitsQuantizer(model, bits=BITS[precision], block_size=BLOCK, is_symmetric=True,
                                     accuracy_level=accuracy_level(kind, attention))
     quantizer.process()
@@ -71,7 +83,7 @@ def quantize_model(model, precision: str, kind: str = "target", attention: str =
 
 
 def quantize_graph(path: Path, precision: str, source: Path | None = None, model: str = "target",
-                   attention: str = "eager") -> None:
+                   attention: str = "eager", rounding=None) -> None:
     """Write a quantized ``path`` (plus ``path.data`` when large) from ``source`` (default: ``path`` itself).
 
     ``attention`` is the folder's ``Manifest.attention``. Old files at ``path`` are unlinked, never written through.
@@ -80,17 +92,18 @@ def quantize_graph(path: Path, precision: str, source: Path | None = None, model
     if precision == "fp32":
         return
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".quant-{path.stem}-") as scratch:
-        _nbits(source or path, Path(scratch) / path.name, precision, model, attention)
+        _nbits(source or path, Path(scratch) / path.name, precision, model, attention, rounding)
         for old in (path, path.with_name(path.name + ".data")):
             old.unlink(missing_ok=True)
         for new in Path(scratch).iterdir():
             shutil.move(str(new), str(path.parent / new.name))
 
 
-def _nbits(src: Path, dst: Path, precision: str, kind: str, attention: str) -> None:
+def _nbits(src: Path, dst: Path, precision: str, kind: str, attention: str, rounding=None) -> None:
     import onnx
 
-    result = quantize_model(onnx.load(str(src), load_external_data=True), precision, kind, attention)
+    result = quantize_model(onnx.load(str(src), load_external_data=True), precision, kind, attention,
+                            rounding=rounding)
     large = result.ByteSize() >= PROTOBUF_LIMIT
     onnx.save_model(result, str(dst), save_as_external_data=large, all_tensors_to_one_file=True,
                     location=dst.name + ".data" if large else None, size_threshold=1024)

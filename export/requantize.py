@@ -22,9 +22,14 @@ from mirrorsd.output_folder import EXPORT, StagedFolder, check_output
 
 
 def requantize(source: Path, output: Path, target_precision: str | None = None, draft_precision: str | None = None,
-               force: bool = False, progress: Callable[[str], None] = lambda step: None) -> Path:
-    """Quantize a copy of ``source`` into ``output``; a precision left as None keeps that model as it is."""
+               force: bool = False, progress: Callable[[str], None] = lambda step: None,
+               scale_search: str = "none", head_bits: int | None = None) -> Path:
+    """Quantize a copy of ``source`` into ``output``; a precision left as None keeps that model as it is.
+    ``scale_search`` and ``head_bits``: rounding.py's options (defaults: ONNX Runtime's round-to-nearest)."""
     from mirrorsd.export import validate
+    from mirrorsd.export.rounding import RoundingOptions
+
+    RoundingOptions(scale_search, head_bits)  # checks both before anything is read
 
     source = Path(source).expanduser().resolve()
     manifest = load_manifest(source)
@@ -59,11 +64,12 @@ def requantize(source: Path, output: Path, target_precision: str | None = None, 
         for model, precision in plan:
             progress(f"quantizing the {model} to {precision}")
             info = manifest.target if model == "target" else manifest.draft
+            rounding = _rounding(manifest, info, scale_search, head_bits, progress)
             before, mask = validate.model_logits(source, model, info, manifest.exit_layer, kv)
             for role in roles[model]:  # read from the source folder: onnx refuses hard-linked external data
                 file = manifest.graph(role).file
                 quantize_graph(stage.path / file, precision, source=source / file, model=model,
-                               attention=manifest.attention)
+                               attention=manifest.attention, rounding=rounding)
             after, _ = validate.model_logits(stage.path, model, info, manifest.exit_layer, kv)
             effects[registry.effect_owner(model)] = validate.quantization_effect(model, before, after, mask)
         graphs = {role: dataclasses.replace(spec, validation={**spec.validation, **effects.get(role, {})})
@@ -71,9 +77,26 @@ def requantize(source: Path, output: Path, target_precision: str | None = None, 
         kept = {f"{model}_precision": precision or done.get(f"{model}_precision", "fp32")
                 for model, precision in wanted.items()}
         options = {**done, **kept, "requantized_from": str(source)}
+        if scale_search != "none" or head_bits is not None:
+            options["rounding"] = {"scale_search": scale_search, "head_bits": head_bits}
         dataclasses.replace(manifest, graphs=graphs, export_options=options).save(stage.path)
         stage.publish()
     return output
+
+
+def _rounding(manifest, info, scale_search: str, head_bits: int | None, progress):
+    """The RoundingOptions of one model; "data" measures its activations on the calibration text first (a draft
+    made of the target's first layers shares the target's statistics)."""
+    from mirrorsd.export.rounding import RoundingOptions
+
+    importance = None
+    if scale_search == "data":
+        from mirrorsd.export.calibration import channel_importance
+
+        source = info.source.split(" (first ")[0]
+        progress(f"measuring {source}'s activations on the calibration text")
+        importance = channel_importance(source)
+    return RoundingOptions(scale_search, head_bits, info.vocab_size, importance)
 
 
 def check_source_folder(source: Path, manifest) -> None:

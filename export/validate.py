@@ -5,8 +5,8 @@ means: a validation batch (2 rows, the second left-padded), runs of a graph on i
 comparison |onnx - torch| <= atol + rtol * max|torch| over the valid positions.
 
 A graph runs from its file (FileRunner) or, when the file holds quantized weights and the fp32 graph never existed,
-piece by piece in fp32 (ChainRunner: each layer's piece built again from the checkpoint, one at a time). Either way
-a run is the same: graph inputs in, graph outputs out, the past KV empty or another run's presents.
+piece by piece in fp32 (chain_runner.py's ChainRunner: each layer's piece built again from the checkpoint, one at a
+time). Either way a run is the same: graph inputs in, graph outputs out, the past KV empty or another run's presents.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def chunked(first_name: str, firsts: tuple, mask: np.ndarray, positions: np.ndar
             Run("b", step(firsts[2], mask, positions[:, b]), past_from="a")]
 
 
-def _past(name: str, kv, run: Run, done: dict, batch: int) -> np.ndarray | None:
+def past_input(name: str, kv, run: Run, done: dict, batch: int) -> np.ndarray | None:
     """The past KV input ``name`` of ``run``: the matching present of run ``past_from``, or an empty one."""
     for i in kv.layer_indices() if kv is not None else ():
         for past, present in ((kv.past_key, kv.present_key), (kv.past_value, kv.present_value)):
@@ -82,7 +82,7 @@ def _past(name: str, kv, run: Run, done: dict, batch: int) -> np.ndarray | None:
     return None
 
 
-def _session(model, external: dict | None = None):
+def cpu_session(model, external: dict | None = None):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -96,44 +96,17 @@ class FileRunner:
     """A graph file in ONNX Runtime (CPU)."""
 
     def __init__(self, path: Path, kv) -> None:
-        self.session, self.kv = _session(str(path)), kv
+        self.session, self.kv = cpu_session(str(path)), kv
 
     def run(self, runs: list[Run]) -> dict[str, dict[str, np.ndarray]]:
         done: dict[str, dict[str, np.ndarray]] = {}
         outputs = [o.name for o in self.session.get_outputs()]
         for run in runs:
             batch = next(iter(run.feeds.values())).shape[0]
-            feeds = {i.name: run.feeds[i.name] if i.name in run.feeds else _past(i.name, self.kv, run, done, batch)
+            feeds = {i.name: run.feeds[i.name] if i.name in run.feeds else past_input(i.name, self.kv, run, done, batch)
                      for i in self.session.get_inputs()}
             done[run.name] = dict(zip(outputs, self.session.run(None, feeds)))
         return done
-
-
-class ChainRunner:
-    """A Stack graph in fp32, one piece at a time: each piece is built from the checkpoint, run for every run
-    in order, and dropped. It computes what the fp32 file would, without that file ever existing."""
-
-    def __init__(self, stack, pieces: dict, source) -> None:
-        self.stack, self.pieces, self.source = stack, pieces, source
-
-    def run(self, runs: list[Run]) -> dict[str, dict[str, np.ndarray]]:
-        from mirrorsd.export.assembly import instances, piece_model
-
-        env = {run.name: dict(run.feeds) for run in runs}
-        kv = self.stack.io.kv
-        for instance in instances(self.stack, self.pieces, self.source.arch):
-            piece = instance.piece
-            model, weights = piece_model(instance, self.source, piece.opset_import, piece.ir_version, False)
-            session = _session(model.SerializeToString(), weights)
-            outputs = [o.name for o in session.get_outputs()]
-            for run in runs:
-                batch = next(iter(run.feeds.values())).shape[0]
-                feeds = {i.name: env[run.name][i.name] if i.name in env[run.name]
-                         else _past(i.name, kv, run, env, batch) for i in session.get_inputs()}
-                env[run.name].update(zip(outputs, session.run(None, feeds)))
-            del session, model, weights
-        wanted = [t.name for t in self.stack.io.outputs]
-        return {run.name: {name: env[run.name][name] for name in wanted} for run in runs}
 
 
 def torch_reference(source, ids, mask, positions, num_layers: int, exit_layer: int | None):
@@ -180,10 +153,11 @@ def require_all_passed(checks: list[Check]) -> None:
                               "report this with the model and options used; nothing was written")
 
 
-def model_logits(folder: Path, model: str, info, exit_layer: int, kv_specs: dict) -> tuple[np.ndarray, np.ndarray]:
-    """A model's logits on its validation batch from the files of ``folder`` (target: prefix -> suffix), one
-    session at a time; and the batch's mask. ``kv_specs``: role -> KVSpec."""
-    ids, mask, pos = sample_batch(info.vocab_size, SEEDS[model])
+def model_logits(folder: Path, model: str, info, exit_layer: int, kv_specs: dict,
+                 batch: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A model's logits on its validation batch (or ``batch``: ids, mask, positions) from the files of ``folder``
+    (target: prefix -> suffix), one session at a time; and the batch's mask. ``kv_specs``: role -> KVSpec."""
+    ids, mask, pos = batch or sample_batch(info.vocab_size, SEEDS[model])
     roles = (names.PREFIX, names.SUFFIX) if model == "target" else (names.DRAFT,)
     first = ids
     for role in roles:
@@ -193,6 +167,28 @@ def model_logits(folder: Path, model: str, info, exit_layer: int, kv_specs: dict
         first = next(iter(out.values()))
         del runner
     return first, mask
+
+
+TEXT_TOKENS = 128  # the real-text agreement reads the first tokens of the shipped text: seconds, not minutes
+
+
+def text_batch(tokenizer, info) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """One row of the shipped text's first tokens (ids, mask, positions), or None without a usable tokenizer."""
+    from mirrorsd.data import EVAL_TEXT
+
+    if tokenizer is None:
+        return None
+    ids = list(tokenizer(EVAL_TEXT.read_text(encoding="utf-8"))["input_ids"])[:min(TEXT_TOKENS,
+                                                                                  info.max_position_embeddings)]
+    if len(ids) < 2 or max(ids) >= info.vocab_size:
+        return None
+    ids = np.asarray([ids], np.int64)
+    return ids, np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None]
+
+
+def text_agreement(model: str, before: np.ndarray, after: np.ndarray) -> dict[str, float]:
+    """Top-1 agreement of quantized with fp32 logits [1, S, vocab] on the shipped text."""
+    return {f"{model}_quant_text_top1_agreement": float(np.mean(np.argmax(before, -1) == np.argmax(after, -1)))}
 
 
 def quantization_effect(model: str, before: np.ndarray, after: np.ndarray, mask: np.ndarray) -> dict[str, float]:

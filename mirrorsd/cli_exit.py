@@ -59,6 +59,7 @@ def run_command(body: Callable[[], int], interrupted: str = "interrupted") -> in
 
 
 def _ending(exc: BaseException, interrupted: str) -> int:
+    _close_progress_bars()  # the line below starts a line of its own, never the end of a bar's
     if _terminated.is_set():  # a signal can land inside an import or a library call and surface as its error
         print(f"terminated{interrupted.removeprefix('interrupted')}", file=sys.stderr)
         return SIGTERM_EXIT
@@ -72,6 +73,16 @@ def _ending(exc: BaseException, interrupted: str) -> int:
         _stdout_to_devnull()
         return 0
     raise exc
+
+
+def _close_progress_bars() -> None:
+    """Close every progress bar still open (the error unwound past its close): each ends its line."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ()):
+        try:
+            bar.close()
+        except Exception:  # noqa: BLE001 - a bar that cannot close must not hide the error being reported
+            pass
 
 
 def write_stdout(text: str) -> None:

@@ -106,6 +106,15 @@ class ExitAdapterInfo:
 
 
 @dataclass(frozen=True)
+class VocabSubsetInfo:
+    """The draft's vocabulary subset (mirrorsd-export --draft-vocab N): its LM head scores only ``size`` ids, the
+    first of the ranking ``order`` (export/vocab_subset.py); every other id gets a very negative finite logit."""
+
+    size: int
+    order: str
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything a runtime needs to drive an export folder."""
 
@@ -124,6 +133,7 @@ class Manifest:
     # it; quantized targets then keep fp32 activations).
     attention: str = "eager"
     exit_adapter: ExitAdapterInfo | None = None  # a trained exit adapter (mirrorsd-train-exit), else None
+    draft_vocab_subset: VocabSubsetInfo | None = None  # mirrorsd-export --draft-vocab N, else None (whole vocabulary)
 
     def graph(self, role: str) -> GraphSpec:
         try:
@@ -163,6 +173,7 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
             f"{path} has schema version {version!r}", f"this mirrorsd reads version {SCHEMA_VERSION} only",
             "re-export the model with this version of mirrorsd-export (or install the mirrorsd that wrote it)")
     manifest = _from_json(Manifest, data, "manifest")
+    _check_ranges(manifest, path)
     if manifest.attention not in ATTENTION_KINDS:
         raise ManifestError(f"{path} names an unknown attention kind {manifest.attention!r}",
                             f"this mirrorsd knows {', '.join(ATTENTION_KINDS)}",
@@ -173,12 +184,30 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
     return manifest
 
 
+def _check_ranges(manifest: Manifest, path: Path) -> None:
+    """Numbers no export writes: sizes below 1, an exit layer outside the target, no candidates per position."""
+    def bad(field: str, value, rule: str) -> ManifestError:
+        return ManifestError(f"{path}: {field} is {value!r}", f"it must be {rule}",
+                             "re-export the model (the file was edited or damaged)")
+
+    for side in ("target", "draft"):
+        info = getattr(manifest, side)
+        for name in ("num_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings"):
+            if getattr(info, name) < 1:
+                raise bad(f"{side}.{name}", getattr(info, name), "at least 1")
+    if not 1 <= manifest.exit_layer < manifest.target.num_layers:
+        raise bad("exit_layer", manifest.exit_layer, f"a layer 1..{manifest.target.num_layers - 1} of the target")
+    if not 1 <= manifest.top_k <= manifest.draft.vocab_size:
+        raise bad("top_k", manifest.top_k, f"1..{manifest.draft.vocab_size} (candidates per position)")
+
+
 def read_json_object(path: Path) -> dict:
-    """A JSON object from a file of an export folder; ManifestError if it is not one."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{path} is not valid JSON", str(exc), "re-export the folder") from None
+    """A JSON object from a file of an export folder (a regular file below a size cap, valid and not nested too
+    deeply); ManifestError if it is not one."""
+    from mirrorsd.user_files import JSON_LIMIT, read_json
+
+    data = read_json(path, JSON_LIMIT, lambda why: ManifestError(f"Cannot read {path}", why, "re-export the folder"))
     if not isinstance(data, dict):
         raise ManifestError(f"{path} does not hold a JSON object", "the file is damaged", "re-export the folder")
     return data

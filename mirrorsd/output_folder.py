@@ -24,6 +24,7 @@ from pathlib import Path
 
 from mirrorsd.cli_exit import raise_if_terminated
 from mirrorsd.errors import OutputFolderError
+from mirrorsd.user_files import resolved
 
 
 @dataclass(frozen=True)
@@ -46,17 +47,25 @@ STREAMING_DRAFT = OutputKind("mirrorsd-train-draft folder", ("streaming.json", "
 def check_output(output: str | os.PathLike, sources: Sequence[str | os.PathLike], force: bool, kind: OutputKind,
                  flag: str = "--output") -> Path:
     """The resolved output folder, or OutputFolderError saying why it may not be written (see the module doc)."""
+    try:
+        return _check_output(output, sources, force, kind, flag)
+    except OSError as exc:  # a name too long, a path through a file, a folder we may not list
+        raise OutputFolderError(f"{flag} '{output}' cannot be used", exc.strerror or str(exc),
+                                remedy(exc).replace("--output", flag)) from None
+
+
+def _check_output(output, sources, force: bool, kind: OutputKind, flag: str) -> Path:
     if not str(output).strip():
         raise OutputFolderError(f"{flag} is empty", "an empty path means the working directory",
                                 f"name a new folder, e.g. {flag} {kind.example}")
-    path = Path(output).expanduser().resolve()
+    path = resolved(output, flag, OutputFolderError)
     here = Path.cwd().resolve()
     if path == here or here.is_relative_to(path):
         raise OutputFolderError(f"{flag} '{output}' is the working directory or a folder above it",
                                 f"it holds your files, and a {kind.name} is written as a folder of its own",
                                 f"name a new folder, e.g. {flag} {kind.example}")
     for source in sources:
-        _refuse_overlap(path, Path(source).expanduser().resolve(), output, kind, flag)
+        _refuse_overlap(path, resolved(source, "a source", OutputFolderError), output, kind, flag)
     if path.exists() and not path.is_dir():
         raise OutputFolderError(f"{flag} '{output}' is a file", f"a {kind.name} is a folder",
                                 f"pick another {flag}")
@@ -167,12 +176,29 @@ def write_error(output: Path, exc: OSError, kept: Path | None = None) -> OutputF
     left = (f"the finished graphs are kept in '{kept}': run again with --resume" if kept is not None else
             "nothing was left behind; an existing folder is untouched")
     return OutputFolderError(f"Could not write '{output}'", exc.strerror or str(exc),
-                             f"free some disk space or pick another --output, then run again ({left})")
+                             f"{remedy(exc)}, then run again ({left})")
 
 
-def publish(scratch: Path, output: Path) -> None:
-    """Rename the finished scratch folder into place; a replaced folder is removed only after the swap."""
-    raise_if_terminated()  # a SIGTERM that a library swallowed still stops the run before anything is published
+def remedy(exc: OSError) -> str:
+    """What to do about an OSError while writing, by its cause: disk space only when the disk is full."""
+    import errno
+
+    return {errno.ENOSPC: "free some disk space or pick another --output",
+            errno.EDQUOT: "free some of your disk quota or pick another --output",
+            errno.EROFS: "the file system is read-only: pick an --output on a writable one",
+            errno.ENAMETOOLONG: "pick a shorter --output name (the file system limits a name's length)",
+            errno.EACCES: "pick an --output in a folder you may write to",
+            errno.EPERM: "pick an --output in a folder you may write to",
+            errno.ENOTDIR: "a file stands where a folder of the path should be: pick another --output",
+            errno.ELOOP: "the path leads into a loop of symbolic links: pick another --output",
+            }.get(exc.errno, "pick another --output")
+
+
+def publish(scratch: Path, output: Path, terminated: bool = False) -> None:
+    """Rename the finished scratch folder into place; a replaced folder is removed only after the swap.
+    ``terminated``: publish even though the run was stopped (a resumable state the stop itself saved)."""
+    if not terminated:
+        raise_if_terminated()  # a SIGTERM that a library swallowed still stops the run before anything is published
     os.chmod(scratch, _mkdir_mode(scratch))  # mkdtemp's folder is private (0700); publish it as mkdir would
     old = None
     if output.exists():

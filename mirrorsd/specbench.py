@@ -63,10 +63,10 @@ def read(path: Path | None = None, flag: str = "--questions") -> list[Question]:
     the file, for the error message."""
     path = default_path() if path is None else Path(path)
     fix = f"pass {flag} PATH to a SpecBench question.jsonl"
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise QuestionFileError(f"Cannot read the questions file '{path}'", str(exc), fix) from None
+    from mirrorsd.user_files import QUESTIONS_LIMIT, read_text
+
+    lines = read_text(path, QUESTIONS_LIMIT, lambda why: QuestionFileError(
+        f"Cannot read the questions file '{path}' ({flag})", why, fix)).splitlines()
     questions = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -75,6 +75,8 @@ def read(path: Path | None = None, flag: str = "--questions") -> list[Question]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             row, why = None, f"line {number} is not JSON ({exc.msg})"
+        except RecursionError:
+            row, why = None, f"line {number} is JSON nested too deeply"
         else:
             why = f"line {number} lacks {', '.join(FIELDS[:-1])} or {FIELDS[-1]}"
         if not (isinstance(row, dict) and set(FIELDS) <= set(row) and isinstance(row["turns"], list)

@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from mirrorsd.errors import GenerationInputError, ManifestError, ModelOutputError
+from mirrorsd.ranges import cores  # noqa: F401 - the cores this process may use (imported from here too)
 
 BYTES = 4  # float32 KV caches and logits
 
@@ -27,12 +28,6 @@ def machine_memory() -> int | None:
         return None
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def check_threads(request) -> None:

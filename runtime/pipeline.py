@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from mirrorsd import names
-from mirrorsd.errors import GenerationInputError
+from mirrorsd.errors import DeviceError, GenerationInputError, ManifestError
 from mirrorsd.manifest import Manifest, load_manifest
 from mirrorsd.runtime import limits
 from mirrorsd.runtime.planner import threads as auto_threads
@@ -32,6 +32,7 @@ from mirrorsd.runtime.models import TargetModel
 from mirrorsd.runtime.ngram import NgramIndex, NgramProposer, NgramSettings
 from mirrorsd.runtime.proposers import SerialDraft, TargetOnly
 from mirrorsd.runtime.sampling import Sampler, SamplingParams
+from mirrorsd.user_files import resolved
 from mirrorsd.runtime.session import GraphSession, Timeline, graph_path
 from mirrorsd.runtime.static_cache import StaticDraftModel, draft_model
 from mirrorsd.runtime.streaming import streaming_draft
@@ -84,9 +85,15 @@ class Pipeline:
         from mirrorsd.devices.backends import default_threads
         from mirrorsd.devices.placement import DeviceRequest
 
-        folder = Path(folder).expanduser().resolve()
+        folder = resolved(folder, "the export folder", ManifestError)
         manifest = load_manifest(folder)
+        if isinstance(devices, str):  # one device string for both models, as the CLI's --device flags take it
+            devices = DeviceRequest(target=devices, draft=devices)
         devices = devices or DeviceRequest()
+        if not isinstance(devices, DeviceRequest):
+            raise DeviceError(f"devices must be a DeviceRequest or a device string, not {type(devices).__name__}",
+                              "it says where each model runs", "pass DeviceRequest(target=..., draft=...), 'cpu', "
+                                                               "or None (auto placement)")
         limits.check_threads(devices)
         limits.check_vocabularies(manifest)
         threads = (devices.target_threads or default_threads(), devices.draft_threads or default_threads())
@@ -188,12 +195,9 @@ class Pipeline:
     def cached_profile(self):
         """The cached profile of this export and placement, or None (none yet, or unreadable: measured again)."""
         from mirrorsd.runtime.planner import profile as profiles
+        from mirrorsd.runtime.planner.profiling import cached
 
-        path = profiles.cache_path(self.folder, {role: p.describe() for role, p in self.placements.items()})
-        try:
-            return profiles.load(path) if path.is_file() else None
-        except profiles.ProfileError:
-            return None
+        return cached(profiles.cache_path(self.folder, {role: p.describe() for role, p in self.placements.items()}))
 
     @property
     def context_limit(self) -> int:
@@ -202,6 +206,9 @@ class Pipeline:
     def encode(self, prompt: str | list[int], config: GenerationConfig) -> list[int]:
         if isinstance(prompt, str):
             return self.codec.encode(prompt, chat=config.chat, system=config.system)
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise GenerationInputError("The prompt is bytes", "a prompt is text (str) or a list of token ids",
+                                       "decode it first, e.g. prompt.decode('utf-8')")
         try:
             ids = [operator.index(t) for t in prompt]  # ints and NumPy ints; not floats, strings or lists
         except TypeError:
@@ -275,10 +282,15 @@ class Pipeline:
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
             repetition_penalty=config.repetition_penalty)
 
-    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Target-only greedy decoding of several token-id prompts in one left-padded batch."""
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> list[list[int]]:
+        """Target-only greedy decoding of several token-id prompts in one left-padded batch (``max_new_tokens``
+        None: GenerationConfig's default)."""
         from mirrorsd.runtime.batch import generate_batch
 
+        max_new_tokens = GenerationConfig().max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise GenerationInputError(f"max_new_tokens must be an int, not {type(max_new_tokens).__name__}",
+                                       "it counts the tokens to generate", "pass an int >= 1, or None")
         if not prompts or any(not p for p in prompts) or max_new_tokens < 1:
             raise GenerationInputError("generate_batch needs non-empty prompts and max_new_tokens >= 1",
                                        "there is nothing to generate", "check the arguments")
@@ -373,11 +385,12 @@ class Pipeline:
         draft, lookahead = (streaming, True) if streaming else (self.draft, False)  # the streams are lookahead
         if config.mode == "sd":
             return SerialDraft(draft, lookahead, NgramIndex(lookup) if config.ngram else None)
-        settings = config.mirror
-        if self._mirror is None or self._mirror.settings != settings or self._mirror.draft is not draft:
+        settings, guesses = config.mirror, lookup if config.ngram else None
+        if self._mirror is None or (self._mirror.settings, self._mirror.lookup) != (settings, guesses) or \
+                self._mirror.draft is not draft:
             if self._mirror is not None:
                 self._mirror.close()
-            self._mirror = MirrorProposer(draft, settings, lookahead)
+            self._mirror = MirrorProposer(draft, settings, lookahead, guesses)
         return self._mirror
 
     def close(self) -> None:

@@ -46,6 +46,6 @@ if (( ${#NATIVE_PACKAGES[@]} )); then
     fi
 fi
 
-# mirrorsd's CPU kernels (runtime/kernels): built now into ~/.cache/mirrorsd/kernels with the C++ compiler above;
+# mirrorsd's CPU kernels (devices/kernels): built now into ~/.cache/mirrorsd/kernels with the C++ compiler above;
 # without one the runtime uses ONNX Runtime's kernels and the kernel tests say why they skip.
-"$PY" -m mirrorsd.runtime.kernels
+"$PY" -m mirrorsd.devices.kernels

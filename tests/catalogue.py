@@ -41,6 +41,7 @@ class Run:
     terminate_when: str | None = None  # send SIGTERM once this text shows on stderr (or this path exists)
     protect: list[Path] = field(default_factory=list)  # the user's files: must be there, unchanged, afterwards
     limit_s: float = 60.0  # bounded time: the case fails beyond this (and is killed at 2x)
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment (e.g. a profile cache folder)
 
     def command(self) -> list[str]:
         tool, *args = self.argv
@@ -187,7 +188,8 @@ def execute(case: Case, workspace: Workspace) -> Outcome:
     before = snapshot(run.protect)
     stdout = {"pipe": subprocess.PIPE, "closed": subprocess.PIPE,
               "devfull": open(os.devnull if not Path("/dev/full").exists() else "/dev/full", "wb")}[run.stdout]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **run.env}
+    env = {k: v for k, v in env.items() if v is not None}  # a case's None removes a variable
     started = time.perf_counter()
     proc = subprocess.Popen(run.command(), cwd=run.cwd, stdout=stdout, stderr=subprocess.PIPE, env=env,
                             preexec_fn=_limits)

@@ -128,8 +128,8 @@ def activation_error_bound(layer: Layer, a: np.ndarray) -> np.ndarray:
 def library_or_skip():
     """The built kernel library; skips only when the machine has no C++ compiler to build it."""
     from mirrorsd.errors import KernelsUnavailableError
-    from mirrorsd.runtime import kernels
-    from mirrorsd.runtime.kernels.build import find_compiler
+    from mirrorsd.devices import kernels
+    from mirrorsd.devices.kernels.build import find_compiler
 
     try:
         return kernels.library()
@@ -146,7 +146,7 @@ def open_session(model, monkeypatch, threads: int = 1, replace: bool = False, is
     """An ONNX Runtime session on ``model`` (bytes or path) with the kernels registered, ``isa`` forcing a path."""
     import onnxruntime as ort
 
-    from mirrorsd.runtime import kernels
+    from mirrorsd.devices import kernels
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads

@@ -374,3 +374,50 @@ def test_sd_starts_from_a_draft_cache_that_holds_a_prefix_of_its_text(same_draft
     SerialDraft(pipe.draft).reset([9] + text)  # another text: nothing of the cache applies
     assert pipe.draft.cache_tokens == [] and pipe.draft.cache.length == 0
     assert generate(pipe, "sd").tokens == generate(pipe, "ar").tokens
+
+
+# ---- a profile that cannot be trusted ------------------------------------------------------------------------------
+def test_measured_step_times_correct_a_profile_wrong_for_speculation(random_draft):
+    """A profile whose speculative costs are a hundredth of the real ones (taken while other jobs ran, the way a
+    1-row verify measured dearer than a 2-row one): auto starts speculating, measures its steps, corrects the costs
+    of every speculative strategy by them and finishes in ar, whose cost was right; the tokens are ar's."""
+    from dataclasses import replace
+
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import Pipeline
+
+    with Pipeline.load(random_draft, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
+        measured = pipe.profile()  # measured now (other tests fix the costs of their shared pipelines)
+        real = measured.split(*pipe.thread_key)
+        check_correction(pipe, measured, real)
+
+
+def check_correction(pipe, measured, real) -> None:
+    from dataclasses import replace
+
+    cheap = replace(real, verify_s=(real.verify_s[0], *(v / 100 for v in real.verify_s[1:])),
+                    exit_s=tuple(v / 100 for v in real.exit_s), draft1_s=real.draft1_s / 100,
+                    branch_fwd_s=real.branch_fwd_s / 100, stream_window_s=(), draft_prefill_s=0.0,
+                    mirror_host_s=(), prefix_s=())
+    pipe.use_profile(replace(measured, splits=(cheap,), detail=({},)))
+    result = pipe.generate(PROMPT, GenerationConfig(max_new_tokens=96, chat=False))
+    auto = result.stats.auto
+    assert not auto["chosen"].startswith("ar"), auto  # the wrong profile predicts speculation far faster
+    assert auto["final"].startswith("ar"), auto
+    assert result.tokens == pipe.generate(PROMPT, GenerationConfig(mode="ar", max_new_tokens=96, chat=False)).tokens
+
+
+def test_a_cached_profile_that_contradicts_itself_is_measured_again(random_draft):
+    """A cached split whose 1-row verify costs ten times its 2-row one (measured on a busy machine) is measured
+    again when the pipeline asks for its profile, not trusted."""
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime.planner.profiling import contradiction
+
+    busy = split_costs(1, 1, verify=0.002, draft1=0.001)
+    busy = type(busy)(**{**busy.__dict__, "verify_s": (0.020, *busy.verify_s[1:])})
+    assert contradiction(busy)
+    cache_profile(random_draft, [busy], alpha=0.5)
+    with Pipeline.load(random_draft, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
+        costs = pipe.profile().split(1, 1)
+    assert costs.verify_s[0] != 0.020 and costs.verify_s[1:] != busy.verify_s[1:], costs

@@ -18,7 +18,7 @@ from mirrorsd.export.graphs import attention
 from mirrorsd.export.pipeline import ExportOptions, export
 from mirrorsd.export.quantize import INT8_ACTIVATIONS, quantize_graph
 from mirrorsd.export.requantize import requantize
-from mirrorsd.runtime import kernels
+from mirrorsd.devices import kernels
 from mirrorsd.manifest import load_manifest
 from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import GenerationConfig, Pipeline

@@ -11,9 +11,9 @@ import pytest
 from kernel_graphs import library_or_skip, model_bytes, random_layers, run
 
 from mirrorsd.errors import KernelsUnavailableError
-from mirrorsd.runtime import kernels
-from mirrorsd.runtime.kernels import __main__ as kernels_cli
-from mirrorsd.runtime.kernels import build
+from mirrorsd.devices import kernels
+from mirrorsd.devices.kernels import __main__ as kernels_cli
+from mirrorsd.devices.kernels import build
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -50,7 +50,7 @@ def test_a_failing_compiler_reports_its_error_and_leaves_nothing(monkeypatch, tm
 def test_concurrent_first_builds_make_one_library(tmp_path):
     if build.find_compiler() is None:
         pytest.skip("no C++ compiler on this machine")
-    code = f"from pathlib import Path; from mirrorsd.runtime.kernels.build import library; " \
+    code = f"from pathlib import Path; from mirrorsd.devices.kernels.build import library; " \
            f"print(library(cache=Path({str(tmp_path)!r})).path)"
     jobs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(2)]

@@ -10,7 +10,7 @@ import pytest
 from kernel_graphs import library_or_skip, model_bytes, open_session, random_layers, run
 
 from mirrorsd.errors import GraphFileError
-from mirrorsd.runtime import kernels
+from mirrorsd.devices import kernels
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -108,7 +108,7 @@ class Block:
             raise ImportError(name + ' is blocked')
 sys.meta_path.insert(0, Block())
 import numpy as np, onnxruntime as ort
-from mirrorsd.runtime import kernels
+from mirrorsd.devices import kernels
 data, count = kernels.read_switched({str(path)!r})
 opts = ort.SessionOptions()
 kernels.register(opts, allow_slow=True)

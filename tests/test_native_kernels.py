@@ -1,4 +1,4 @@
-"""libmirrorsd with mirrorsd's MatMulNBits kernels (open option kernels_library, runtime/kernels) on a wide int4
+"""libmirrorsd with mirrorsd's MatMulNBits kernels (open option kernels_library, devices/kernels) on a wide int4
 target with grouped attention and int8 activations, where ONNX Runtime's own kernel is not row-invariant on every
 CPU (devices/ort_kernel_check.py): with the kernels, C ar emits the Python runtime's ar (kernels="mirrorsd") token
 for token, and C sd and C mirror emit C ar's tokens. A kernels path that is not a library fails with a code and
@@ -15,7 +15,8 @@ from mirrorsd.errors import DeviceError, GenerationInputError
 from mirrorsd.export.pipeline import ExportOptions, export
 from mirrorsd.manifest import load_manifest
 from mirrorsd.runtime.native import NativeModel
-from mirrorsd.runtime import GenerationConfig, Pipeline, kernels
+from mirrorsd.runtime import GenerationConfig, Pipeline
+from mirrorsd.devices import kernels
 
 from test_native import token_lines
 from tiny_models import build_model

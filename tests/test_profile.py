@@ -236,7 +236,7 @@ def test_exit_layer_sweep_suggests_the_latency_models_layer(tmp_path):
 def test_profile_cache_is_per_kernel_build(tmp_path, monkeypatch):
     """A profile measured with one build of mirrorsd's kernel library is not read for another (a kernel change can
     move the costs by half); placements without those kernels do not depend on the build."""
-    from mirrorsd.runtime import kernels
+    from mirrorsd.devices import kernels
 
     folder = tmp_path / "export"
     folder.mkdir()

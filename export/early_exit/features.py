@@ -25,13 +25,13 @@ class Rows:
 
 
 def distill(target, tokenizer, questions, max_prompt_tokens: int, generation_batch: int, cache: Path,
-            progress=lambda n: None):
+            progress=lambda n: None, chat: bool = True):
     """The target's greedy answers to ``questions``, in their order. ``cache`` (JSON lines, one answer length per
     file) keeps every answer made so far: a re-run answers only the questions it does not hold."""
     from mirrorsd.export.streaming.data import answer_all, encode, load_samples, save_samples
 
     held = {s.question_id: s for s in load_samples(cache)} if cache.is_file() else {}
-    prompts = encode(tokenizer, questions, max_prompt_tokens)
+    prompts = encode(tokenizer, questions, max_prompt_tokens, chat)
     missing = [p for p in prompts if p[0] not in held or held[p[0]].prompt != p[1]]
     if missing:
         held.update({s.question_id: s for s in answer_all(target, missing, generation_batch, target.eos_ids,

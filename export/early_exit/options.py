@@ -29,3 +29,14 @@ class ExitTrainOptions:
     threads: int | None = None
     force: bool = False
     progress: bool = True
+
+
+def limits() -> dict:
+    """The range of every numeric option (mirrorsd/ranges.py), checked before anything is read or loaded."""
+    from mirrorsd.ranges import SEED, Range, threads
+
+    return {"train_prompts": Range(1), "eval_prompts": Range(1), "holdout": Range(1),
+            "max_prompt_tokens": Range(1, 2**20), "max_new_tokens": Range(1, 2**20),
+            "generation_batch": Range(1, 1024), "prompt_rows": Range(0, 2**20), "rank": Range(1, 2**16),
+            "epochs": Range(1, 10**6), "batch": Range(1, 2**24), "lr": Range(0, 10, above=True), "seed": SEED,
+            "max_minutes": Range(0, 10**7, above=True), "threads": threads()}

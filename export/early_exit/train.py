@@ -43,10 +43,19 @@ class ExitTrainResult:
 
 def train(options: ExitTrainOptions, log=print) -> ExitTrainResult:
     """Train the exit of ``options.model`` into a new export folder ``options.output`` (see the module doc)."""
+    from mirrorsd import ranges
+    from mirrorsd.errors import ExportOptionError, ManifestError
+    from mirrorsd.export.early_exit.options import limits
     from mirrorsd.output_folder import EXPORT, StagedFolder, check_output
+    from mirrorsd.user_files import resolved
 
-    source = Path(options.model).expanduser().resolve()
+    ranges.check(options, limits(), ExportOptionError)  # every number first: nothing is read before
+    source = resolved(options.model, "--model", ManifestError)
     manifest = load_manifest(source)
+    if options.rank > manifest.target.hidden_size:
+        raise ExportOptionError(f"--rank {options.rank} is out of range",
+                                f"the adapter's rank is at most the target's hidden size ({manifest.target.hidden_size})",
+                                "pass a smaller --rank (default 64)")
     output = check_output(options.output, [source], options.force, EXPORT)
     with StagedFolder(output) as stage:
         result = _train_into(stage.path, source, manifest, options, output, log)
@@ -78,13 +87,17 @@ def _train_into(stage: Path, source: Path, manifest: Manifest, options: ExitTrai
     _copy_source(source, stage, previous=output)  # after every input was read: a bad one fails before the copy
     data = stage / DATA_DIR
     data.mkdir(exist_ok=True)
+    chat = bool(manifest.tokenizer.chat_template)
+    if not chat:
+        log("the target has no chat template: its prompts are raw completion (as mirrorsd bench runs them)")
     target = ExportTarget(source, options.max_new_tokens, options.threads)
     try:
         sets = {}
         for name, qs in (("train", train_q), ("eval", held_q)):
             started = time.perf_counter()
             samples = features.distill(target, target.tokenizer, qs, options.max_prompt_tokens,
-                                       options.generation_batch, data / f"distill-{name}-{options.max_new_tokens}.jsonl")
+                                       options.generation_batch, data / f"distill-{name}-{options.max_new_tokens}.jsonl",
+                                       chat=chat)
             log(f"target answers ({name}): {len(samples)} questions ({time.perf_counter() - started:.0f} s)")
             started = time.perf_counter()
             sets[name] = features.rows(target.pipe, trunk, samples,

@@ -40,8 +40,22 @@ def save_state(folder: Path, params: dict[str, torch.Tensor], optimizer: torch.o
 
 
 def read_record(folder: Path) -> dict | None:
+    """The saved run's record (step, options, evaluation), or None when there is none; OutputFolderError when
+    it is damaged (not a regular file, too large, not a JSON object with its keys)."""
+    from mirrorsd.errors import OutputFolderError
+    from mirrorsd.user_files import JSON_LIMIT, read_json
+
     path = Path(folder) / STATE_DIR / STATE_FILE
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    if not os.path.lexists(path):
+        return None
+    fix = "start over with --force (the cached target answers are kept), or restore the folder"
+    record = read_json(path, JSON_LIMIT, lambda why: OutputFolderError(f"The saved training state {path} is "
+                                                                       "damaged", why, fix))
+    if not isinstance(record, dict) or not {"step", "train_seconds", "options"} <= set(record) or \
+            not isinstance(record["options"], dict):
+        raise OutputFolderError(f"The saved training state {path} is damaged", "it lacks step, train_seconds or "
+                                "options", fix)
+    return record
 
 
 def load_state(folder: Path, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:

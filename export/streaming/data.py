@@ -35,16 +35,30 @@ def pick(questions: list[Question], count: int | None, seed: int) -> list[Questi
     return order if count is None else order[:count]
 
 
-def encode(tokenizer, questions: list[Question], max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
-    """Chat-template each question; drop those longer than ``max_prompt_tokens``."""
+def encode(tokenizer, questions: list[Question], max_prompt_tokens: int,
+           chat: bool = True) -> list[tuple[str, list[int]]]:
+    """Chat-template each question (``chat`` False: raw completion, the text with the tokenizer's special tokens,
+    as mirrorsd bench encodes it for a model without a template); drop those longer than ``max_prompt_tokens``."""
     out = []
     for q in questions:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": q.text}], add_generation_prompt=True,
-                                            tokenize=True)
+        if not chat:
+            ids = tokenizer.encode(q.text, add_special_tokens=True)
+        else:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": q.text}], add_generation_prompt=True,
+                                                tokenize=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         if len(ids) <= max_prompt_tokens:
             out.append((str(q.question_id), [int(t) for t in ids]))
     return out
+
+
+def has_chat_template(target) -> bool:
+    """Whether ``target`` (an ExportTarget or a TorchTarget) has a chat template: an export's manifest says (what
+    mirrorsd bench and generate follow), a PyTorch model's tokenizer says."""
+    pipe = getattr(target, "pipe", None)
+    if pipe is not None:
+        return bool(pipe.manifest.tokenizer.chat_template)
+    return bool(getattr(target.tokenizer, "chat_template", None))
 
 
 def answer_all(generate, prompts: list[tuple[str, list[int]]], batch_size: int, eos_ids: tuple[int, ...],
@@ -131,4 +145,16 @@ def save_samples(path: Path, samples: list[Sample]) -> None:
 
 
 def load_samples(path: Path) -> list[Sample]:
-    return [Sample(**json.loads(line)) for line in Path(path).read_text(encoding="utf-8").splitlines() if line]
+    """The cached answers in ``path``; [] when the cache is unusable (damaged, not a file, implausibly large):
+    the target answers again."""
+    from mirrorsd.errors import ExportOptionError
+    from mirrorsd.user_files import QUESTIONS_LIMIT, read_text
+
+    try:
+        text = read_text(path, QUESTIONS_LIMIT, lambda why: ExportOptionError(f"Cannot read {path}", why))
+        samples = [Sample(**json.loads(line)) for line in text.splitlines() if line]
+    except (ExportOptionError, ValueError, TypeError, RecursionError):
+        return []
+    ok = all(isinstance(s.prompt, list) and isinstance(s.completion, list) and
+             all(isinstance(t, int) and not isinstance(t, bool) for t in s.prompt + s.completion) for s in samples)
+    return samples if ok else []

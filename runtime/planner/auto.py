@@ -4,10 +4,17 @@
               split (runtime/planner/latency.py), from its measured profile and the pair's acceptance (calibration, then
               what earlier generations measured); take the fastest
     generate  the chosen proposer does the work; every step's wall time and committed tokens are recorded
+    correct   every RECHECK_STEPS steps, a running strategy that measured more seconds per step than the profile
+              predicts gets that factor on its step time for the rest of the generation (and so does every
+              strategy of several rows per step not run yet: they share the wide verify's cost); every later
+              ranking (re-plan, ar probe) uses the corrected times. A profile taken on a busy machine, wrong for
+              one strategy, is corrected by what that strategy ran at. Only ever dearer: a strategy measured
+              faster than profiled keeps its prediction, since the strategies it is ranked against were not
+              measured (a machine faster than its profile all round must not make the running one look best)
     re-plan   when the last RECHECK_STEPS steps ran more than SLACK below the prediction, rank again with the
-              acceptance measured so far in this generation (e.g. acceptance collapsed: drop to ar). If the same
-              strategy still wins, the machine is simply slower than profiled: the prediction is scaled to what
-              was measured, so that it does not re-plan every 16 steps for nothing
+              acceptance measured so far in this generation (e.g. acceptance collapsed: drop to ar) and the
+              corrected step times. If the same strategy still wins, its corrected prediction is what it measured,
+              so it does not re-plan every 16 steps for nothing
     lookup    every step the committed text is replayed as mode ngram would have decoded it (planner/lookup.py);
               every RECHECK_STEPS steps, auto takes ngram when the latency model predicts it LOOKUP_MARGIN faster
               than the strategy running (code that repeats names, answers that quote their question)
@@ -25,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mirrorsd.runtime.planner.ar_probe import PROBE_STEPS, ArProbe, leave_ar, speculation_can_pay
-from mirrorsd.runtime.planner.latency import Acceptance, Prediction, SplitCosts, Strategy, Table, rank
+from mirrorsd.runtime.planner.latency import MODES, Acceptance, Prediction, SplitCosts, Strategy, Table, rank
 from mirrorsd.runtime.planner.lookup import LookupReplay
 from mirrorsd.runtime.rollout import Window
 from mirrorsd.runtime.sampling import GREEDY, Sampler
@@ -108,6 +115,26 @@ def plan_table(costs: SplitCosts, acceptance: Acceptance, streaming: bool = Fals
     return rank([costs], acceptance, gammas, streaming, context, new_tokens, current)
 
 
+WIDE = ("sd", "mirror", "ngram")  # the modes that verify windows of several rows: they share that cost (and the draft's)
+
+
+def corrected(table: Table, step_factor: dict[Strategy, float]) -> Table:
+    """``table`` with each measured strategy's step time scaled by ``step_factor`` (measured / predicted seconds
+    per step), fastest first again. A strategy of several rows per step (sd, mirror, ngram) not run yet takes the
+    largest factor measured on one of them: they share the multi-row verify's cost (and sd and mirror the draft's),
+    so a profile wrong for one is wrong for them (else auto would walk through every untried gamma and mode, each
+    predicted from the same bad costs)."""
+    if not step_factor:
+        return table
+    speculative = max((f for s, f in step_factor.items() if s.mode in WIDE), default=1.0)
+    rows = [Prediction(r.strategy, r.step_s * step_factor.get(r.strategy, speculative if r.strategy.mode in WIDE
+                                                              else 1.0), r.tokens_per_step)
+            for r in table.rows]
+    order = {m: i for i, m in enumerate(MODES)}
+    rows.sort(key=lambda p: (-round(p.tokens_per_second, 9), order[p.strategy.mode], p.strategy.gamma))
+    return replace(table, rows=tuple(rows))
+
+
 def why(table: Table) -> str:
     best = table.best
     runner = next((r for r in table.rows[1:] if r.strategy.mode != best.strategy.mode), None)
@@ -133,9 +160,12 @@ class AutoProposer:
         self._make = make  # Strategy -> a proposer (TargetOnly, SerialDraft, MirrorProposer)
         self.costs, self.prior = costs, prior
         self.context, self.new_tokens = context, new_tokens  # the prompt's tokens; the tokens asked for
-        self._plan = lambda acceptance, current=None: plan_table(
+        self.step_factor: dict[Strategy, float] = {}  # measured / predicted seconds per step, per strategy run
+        self._profiled = lambda acceptance, current=None: plan_table(
             costs, acceptance, streaming, max_gamma, self.context + self.generated,
-            max(self.new_tokens - self.generated, 0), current)
+            max(self.new_tokens - self.generated, 0), current)  # the profile's own predictions
+        self._plan = lambda acceptance, current=None: corrected(self._profiled(acceptance, current),
+                                                                self.step_factor)
         self.generated = 0
         self.table = self._plan(prior)
         self.first_table = self.table
@@ -220,6 +250,7 @@ class AutoProposer:
             return
         seconds = sum(s for s, _ in self._recent)
         measured = sum(t for _, t in self._recent) / seconds if seconds > 0 else float("inf")
+        self._correct(seconds / len(self._recent))
         self._recent = []
         expected = self.current.tokens_per_second * self.scale
         if measured >= (1.0 - SLACK) * expected:
@@ -227,8 +258,8 @@ class AutoProposer:
             return
         table = self._plan(self.acceptance(), self.strategy)
         best = table.best
-        if best.strategy == self.strategy:
-            self.scale = measured / max(best.tokens_per_second, 1e-9)  # a slower machine, the same choice
+        if best.strategy == self.strategy:  # its corrected prediction is what it measured: the same choice
+            self.scale = measured / max(best.tokens_per_second, 1e-9)
             self.table = table
             self.current = best
             return
@@ -237,6 +268,13 @@ class AutoProposer:
                                                         f"{expected:.1f} predicted; re-planned: " + why(table)))
         self.table = table
         self._pending = best
+
+    def _correct(self, measured_step_s: float) -> None:
+        """The running strategy's step time as measured: its factor on the profile's prediction (uncorrected)."""
+        profiled = self._profiled(self.table.acceptance, self.strategy)
+        predicted = next((r.step_s for r in profiled.rows if r.strategy == self.strategy), 0.0)
+        if measured_step_s > 0 and predicted > 0:  # only ever dearer: see the module docstring
+            self.step_factor[self.strategy] = max(1.0, measured_step_s / predicted)
 
     def acceptance(self) -> Acceptance:
         """What this generation measured so far (online.acceptance), with its ngram replay."""

@@ -112,7 +112,10 @@ def read_hits(data: dict, topk: int = 4, kind: str = "trained") -> tuple[dict[in
         value = table.get(str(topk), table.get(topk))
         if value is None:
             raise ValueError(f"the sweep has no top-{topk} hit rate (it has {sorted(table)})")
-        hits[int(row["layer"])] = float(value)
+        hit = float(value)
+        if not 0.0 <= hit <= 1.0:  # NaN fails this too
+            raise ValueError(f"layer {row['layer']}'s top-{topk} hit rate is {value!r}; a hit rate is 0..1")
+        hits[int(row["layer"])] = hit
     if not hits:
         raise ValueError("the sweep lists no layer")
     return hits, data.get("layers")

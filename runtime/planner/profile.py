@@ -105,6 +105,10 @@ def from_json(data: dict, where: str = "profile") -> Profile:
         acceptance = Acceptance(float(acc["alpha"]), float(acc["reuse"]),
                                 None if acc.get("reuse_noexit") is None else float(acc["reuse_noexit"]),
                                 str(acc.get("source", "profile")))
+        rates = (acceptance.alpha, acceptance.reuse, acceptance.reuse_for(False))
+        if not all(0.0 <= r <= 1.0 for r in rates):  # NaN fails this too
+            raise ProfileError(f"{where} acceptance is out of range", f"alpha and reuse are probabilities, 0..1 "
+                               f"(got {rates})", "fix the file, or re-measure it")
     return Profile(kind=data["kind"], machine=str(data.get("machine", "")), splits=tuple(splits),
                    acceptance=acceptance, calibration=dict(data.get("calibration") or {}), detail=tuple(detail),
                    export=dict(data.get("export") or {}), sources=tuple(data.get("sources") or ()),
@@ -137,24 +141,71 @@ def _check_costs(costs: SplitCosts, where: str) -> None:
 
 
 def load(path: Path) -> Profile:
+    """The profile in file ``path``; ProfileError when it is missing, not a regular file, implausibly large, not
+    JSON, nested too deeply, or not a profile of this schema (wrong keys or types)."""
+    from mirrorsd.user_files import JSON_LIMIT, read_json
+
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise ProfileError(f"Profile {path} does not exist", "nothing was measured or written there",
-                           "measure one with `mirrorsd devices --profile --model EXPORT`") from None
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"Profile {path} is not JSON", str(exc), "fix or re-measure it") from None
-    return from_json(data, str(path))
+                           "measure one with `mirrorsd devices --profile --model EXPORT`")
+    data = read_json(path, JSON_LIMIT, lambda why: ProfileError(f"Cannot read the profile {path}", why,
+                                                                "fix the file, or re-measure it"))
+    try:
+        return from_json(data, str(path))
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a value of the wrong type somewhere inside
+        raise ProfileError(f"{path} is not a {SCHEMA} profile", f"a value has the wrong type ({exc})",
+                           "fix the file, or re-measure it") from None
 
 
 def save(profile: Profile, path: Path) -> Path:
+    """Write ``profile`` to ``path`` atomically (a scratch file renamed into place); OSError passes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
-    tmp.replace(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def save_or_say(profile: Profile, path: Path, say=None) -> bool:
+    """Cache ``profile`` at ``path``; where the cache cannot be written (a read-only file system, a file where the
+    folder goes, no space), say so in one line and go on with the profile in memory. True when saved."""
+    try:
+        save(profile, path)
+        _UNSAVED.pop(str(path), None)
+        return True
+    except OSError as exc:
+        first = not _UNSAVED
+        _UNSAVED[str(path)] = profile
+        if first:
+            (say or _say)(f"the measured profile could not be saved to {path.parent} ({os_words(exc)}); it is "
+                          f"used from memory by this process only (set ${CACHE_ENV} to a writable folder to keep it)")
+        return False
+
+
+_UNSAVED: dict[str, Profile] = {}  # cache path -> a profile this process measured and could not save
+
+
+def unsaved(path: Path) -> Profile | None:
+    """The profile this process measured for cache ``path`` and could not save (a read-only cache), or None."""
+    return _UNSAVED.get(str(path))
+
+
+def os_words(exc: OSError) -> str:
+    """What an OSError means, in words (its strerror), e.g. 'Read-only file system'."""
+    return exc.strerror or type(exc).__name__
+
+
+def _say(line: str) -> None:
+    """One line on the profile's logger: a warning, which Python prints on stderr when nothing is set up."""
+    import logging
+
+    logging.getLogger("mirrorsd.runtime.planner.profile").warning(line)
 
 
 def cache_path(folder: Path, placement: dict[str, str]) -> Path:
@@ -171,7 +222,7 @@ def cache_path(folder: Path, placement: dict[str, str]) -> Path:
     digest = hashlib.sha256((folder / MANIFEST_FILE).read_bytes())
     digest.update(json.dumps(sorted(placement.items())).encode())
     if any(KERNELS_MARK in where for where in placement.values()):
-        from mirrorsd.runtime import kernels
+        from mirrorsd.devices import kernels
 
         digest.update(str(kernels.build_id()).encode())
     digest.update(str(folder).encode())
@@ -190,10 +241,18 @@ def cached_by_devices(folder: Path) -> dict[tuple[str, str], Profile]:
     own name: the same manifest, folder and kernel build (a stale one is measured again, not ranked)."""
     folder = Path(folder).resolve()
     found: dict[tuple[str, str], Profile] = {}
-    for path in sorted(cache_root().glob(f"{folder.name}-*.json")):
+    root = cache_root()
+    try:
+        paths = set(root.glob(f"{folder.name}-*.json"))
+    except OSError:  # an unreadable cache folder holds nothing we can use
+        paths = set()
+    paths |= {Path(p) for p in _UNSAVED if Path(p).parent == root and Path(p).name.startswith(f"{folder.name}-")}
+    for path in sorted(paths):
+        profile = unsaved(path)
         try:
-            profile = load(path)
-        except ProfileError:
+            profile = profile or load(path)
+        except ProfileError as exc:
+            skipped(path, exc)
             continue
         export = profile.export
         devices = export.get("devices") or {}
@@ -201,6 +260,17 @@ def cached_by_devices(folder: Path) -> dict[tuple[str, str], Profile]:
                 cache_path(folder, export.get("placement") or {}) == path:
             found.setdefault((devices["target"], devices["draft"]), profile)
     return found
+
+
+_SKIPPED: set[str] = set()  # cache files already reported in this process: one line each, not one per look-up
+
+
+def skipped(path: Path, exc: ProfileError) -> None:
+    """Say once per process that a cached profile is unusable and is ignored (it is measured again if needed)."""
+    if str(path) in _SKIPPED:
+        return
+    _SKIPPED.add(str(path))
+    _say(f"ignoring the cached profile {path}: {exc.why or exc.what} (it is measured again when needed)")
 
 
 def now() -> str:

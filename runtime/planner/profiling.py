@@ -296,17 +296,16 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
     placement = {role: p.describe() for role, p in pipe.placements.items()}
     devices = pipe.device_strings()  # what reopens this placement (mode auto ranks placements by it)
     path = profiles.cache_path(pipe.folder, placement)
-    current = None
-    if path.is_file() and not refresh:
-        try:
-            current = profiles.load(path)
-        except profiles.ProfileError:
-            current = None  # an older schema or a damaged file: measured again below
+    current = None if refresh else cached(path)
     if current is None:
         current = profiles.Profile(kind="measured", machine=machine_words(), splits=(),
                                    export={"folder": str(pipe.folder), "placement": placement, "devices": devices},
                                    created=profiles.now())
-    need_split = current.split(*pipe.thread_key) is None
+    known = current.split(*pipe.thread_key)
+    doubt = contradiction(known) if known is not None else ""
+    if doubt:
+        profiles.skipped(path, profiles.ProfileError("its costs contradict each other", doubt))
+    need_split = known is None or bool(doubt)
     # an acceptance calibrated on another prompt set (an older mirrorsd) is measured again
     need_acceptance = (current.acceptance is None
                        or current.calibration.get("prompts") != len(CALIBRATION_PROMPTS))
@@ -319,6 +318,8 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
     try:
         if need_split:
             costs, detail = measure_split(pipe, tick=lambda: bar.update(1))
+            if contradiction(costs):  # measured while something else ran: once more (then auto corrects it
+                costs, detail = measure_split(pipe)  # online from the step times it measures while generating)
             current = current.with_split(costs, detail)
         if need_acceptance:
             acceptance, how = calibrate(pipe, tick=lambda: bar.update(1))
@@ -328,8 +329,42 @@ def profile_for(pipe, progress: bool = False, refresh: bool = False) -> profiles
             current = current.with_split(fit_mirror_host(costs, acceptance, how), current.detail[index])
     finally:
         bar.close()
-    profiles.save(current, path)
+    profiles.save_or_say(current, path)  # a read-only cache: this run uses it from memory
     return current
+
+
+WIDTH_TOLERANCE = 2.0  # a verify of fewer rows may measure this much dearer than one of more rows (noise); beyond
+#                        it, the profile was taken while something else ran (a 1-row step cannot cost more than 2)
+WIDTH_SLACK_S = 1e-3  # ... and by this much in seconds: tiny models' steps are overhead, noisy on a shared machine
+
+
+def contradiction(costs: SplitCosts) -> str:
+    """Why ``costs`` contradict themselves, or "": a verify (or exit) step of fewer rows measured dearer than one
+    of more rows by more than WIDTH_TOLERANCE and WIDTH_SLACK_S (the rows run in one batch: more never cost less)."""
+    for name in ("verify_s", "exit_s"):
+        times = getattr(costs, name)
+        for rows in range(len(times) - 1):
+            wider = min(times[rows + 1:])
+            if wider > 0 and times[rows] > WIDTH_TOLERANCE * wider and times[rows] - wider > WIDTH_SLACK_S:
+                return (f"{name}: {rows + 1} row(s) {times[rows] * 1e3:.2f} ms against "
+                        f"{wider * 1e3:.2f} ms for more rows")
+    return ""
+
+
+def cached(path) -> profiles.Profile | None:
+    """The profile cached at ``path``, or None: none there, or an unusable entry (garbage, a folder, a FIFO, an
+    endless file, another schema; said in one line), which is measured again."""
+    import os
+
+    if profiles.unsaved(path) is not None:  # measured by this process, its cache read-only
+        return profiles.unsaved(path)
+    if not os.path.lexists(path):
+        return None
+    try:
+        return profiles.load(path)
+    except profiles.ProfileError as exc:
+        profiles.skipped(path, exc)
+        return None
 
 
 def machine_words() -> str:

@@ -35,7 +35,7 @@ struct Args {
                "         [--threads N] [--target-device D] [--draft-device D] [--kernels LIBMIRRORSD_KERN_SO]\n"
                "         --ids ID [ID ...]\n"
                "Prompt and output are token ids: there is no tokenizer here. --kernels runs mirrorsd's MatMulNBits\n"
-               "kernels (python -m mirrorsd.runtime.kernels prints the path) instead of ONNX Runtime's.\n";
+               "kernels (python -m mirrorsd.devices.kernels prints the path) instead of ONNX Runtime's.\n";
   std::exit(64);
 }
 

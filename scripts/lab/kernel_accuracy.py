@@ -13,7 +13,7 @@ import argparse
 
 import numpy as np
 
-from mirrorsd.runtime import kernels
+from mirrorsd.devices import kernels
 
 
 def quantized_model(w: np.ndarray, bits: int, level: int) -> bytes:

@@ -9,7 +9,7 @@ namespace mirrorsd {
 void check_graph_file(const GraphSpec& spec);
 
 // Whether the ONNX file imports the operator domain `domain` (ModelProto.opset_import); reads the top-level fields
-// only (runtime/kernels/rewrite.py's imports_ort_domain). Throws Error(GraphFile) for a file that is not ONNX.
+// only (devices/kernels/rewrite.py's imports_ort_domain). Throws Error(GraphFile) for a file that is not ONNX.
 bool imports_domain(const std::filesystem::path& path, const std::string& domain);
 
 }  // namespace mirrorsd

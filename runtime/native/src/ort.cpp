@@ -98,7 +98,7 @@ double Timeline::busy() const {
   return total;
 }
 
-// mirrorsd's MatMulNBits kernels (runtime/kernels) in replace mode, as devices/backends.py's OrtSession registers
+// mirrorsd's MatMulNBits kernels (devices/kernels) in replace mode, as devices/backends.py's OrtSession registers
 // them: the config entry first (the library reads it when it registers), then the library. Only for graphs that import
 // com.microsoft: registering the replacement claims that domain, and a graph that does not import it would then fail
 // to load the contrib ops ONNX Runtime's optimizer fuses in.
@@ -109,7 +109,7 @@ const char* const kOrtDomain = "com.microsoft";
 
 bool register_kernels(OrtSessionOptions* options, const GraphSpec& spec, const std::string& library) {
   if (library.empty() || !imports_domain(spec.path, kOrtDomain)) return false;
-  const std::string fix = "pass the path of libmirrorsd_kern.so (Python: mirrorsd.runtime.kernels."
+  const std::string fix = "pass the path of libmirrorsd_kern.so (Python: mirrorsd.devices.kernels."
                           "usable_library().path), or none for ONNX Runtime's own kernel";
   check(ort().AddSessionConfigEntry(options, kReplaceKey, "1"), Code::Internal, "Bad option", "");
   check(ort().RegisterCustomOpsLibrary_V2(options, library.c_str()), Code::Device,

@@ -6,7 +6,7 @@ touched, and the same function switches back. The model also needs an opset_impo
 is appended to the top-level ModelProto when missing (protobuf fields may come in any order):
 
     ModelProto  opset_import 8 -> OperatorSetIdProto { domain 1, version 2 }
-    NodeProto   op_type 4, domain 7          (found with runtime.graph_files' field walker)
+    NodeProto   op_type 4, domain 7          (found with mirrorsd/onnx_wire.py's field walker)
 
 A node whose inputs the kernel refuses (zero points, g_idx) or whose attributes it does not handle (bits other than
 4 and 8, block_size other than 32) keeps ONNX Runtime's kernel.
@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mirrorsd.errors import GraphFileError
-from mirrorsd.runtime.graph_files import (LENGTH_DELIMITED, MalformedProtobuf, fields, message_field, messages,
-                                          read_varint, varint_field)
+from mirrorsd.onnx_wire import (LENGTH_DELIMITED, MalformedProtobuf, fields, message_field, messages, read_varint,
+                                varint_field)
 
 DOMAIN = "mirrorsd.kern"
 ORT_DOMAIN = "com.microsoft"

@@ -5,7 +5,7 @@ ONNX Runtime's ``com.microsoft::MatMulNBits`` is far from the bandwidth at M = 1
 session for AVX-512 VNNI or AVX2, activations quantized per row and block of 32 to int8 (like ONNX Runtime's
 accuracy level 4), exact integer block dot products, one fixed float order per (row, column). See src/qgemm.hpp.
 
-    from mirrorsd.runtime import kernels
+    from mirrorsd.devices import kernels
     kernels.register(options)                 # adds the domain "mirrorsd.kern" (builds the library on first use)
     kernels.register(options, replace=True)   # ...and runs it for every com.microsoft MatMulNBits node as well
     data, count = kernels.read_switched(path) # or: a graph whose MatMulNBits nodes name "mirrorsd.kern"
@@ -17,8 +17,8 @@ when a session is created (the paths agree bit for bit; tests use it to compare 
 from __future__ import annotations
 
 from mirrorsd.errors import KernelsUnavailableError
-from mirrorsd.runtime.kernels.build import KernelLibrary, library
-from mirrorsd.runtime.kernels.rewrite import DOMAIN, ORT_DOMAIN, external_data_config, read_switched, switch_domain
+from mirrorsd.devices.kernels.build import KernelLibrary, library
+from mirrorsd.devices.kernels.rewrite import DOMAIN, ORT_DOMAIN, external_data_config, read_switched, switch_domain
 
 ISA_ENV = "MIRRORSD_KERNELS_ISA"
 REPLACE_KEY = "mirrorsd_kern.replace_com_microsoft"  # session config entry read by the library at registration

@@ -1,4 +1,4 @@
-"""``python -m mirrorsd.runtime.kernels``: build the kernel library now (scripts/setup.sh does) and say what runs.
+"""``python -m mirrorsd.devices.kernels``: build the kernel library now (scripts/setup.sh does) and say what runs.
 
 Exits 0 when the library cannot be used here (no compiler, unsupported CPU): the runtime then uses ONNX Runtime's
 kernels, and the message says why. Exits 1 when a compiler is present but the build fails.
@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 
 from mirrorsd.errors import KernelsUnavailableError
-from mirrorsd.runtime.kernels import library, unavailable_reason
-from mirrorsd.runtime.kernels.build import find_compiler
+from mirrorsd.devices.kernels import library, unavailable_reason
+from mirrorsd.devices.kernels.build import find_compiler
 
 
 def main() -> int:
