@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(cheap, accepts little; default when no --draft: N/4)")
     flags.add(src, E, "trust_remote_code",
               help="allow models that ship their own Python code (off by default: it runs that code)")
+    flags.add(src, E, "draft_vocab", type=int, metavar="N",
+              help="the draft's LM head scores only N ids (its special tokens, then the tokenizer's ranking: BPE merge "
+                   "order); a smaller head, the same output (the target checks every token), maybe fewer accepted "
+                   "tokens (default: the whole vocabulary)")
     cut = parser.add_argument_group("split")
     flags.add(cut, E, "exit_layer", type=int, metavar="L",
               help="early-exit layer, 1..N-1 (default: N/2, or the latency model's choice with --exit-hits and "

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mirrorsd.errors import ExportOptionError
+from mirrorsd.names import WEIGHT_BITS
 
 MODES = ("exact", "widen", "requantize")
 BLOCK = 32
@@ -94,12 +95,11 @@ class BlockPlan:
 def block_plan(source, precision: str, mode: str) -> BlockPlan | None:
     """A plan when ``source`` reads a GGUF file and ``precision`` quantizes; else None (nothing to carry)."""
     from mirrorsd.export.checkpoint import GGUFReader
-    from mirrorsd.export.quantize import BITS
 
     weights = getattr(source, "weights", None)
-    if precision not in BITS or weights is None or not isinstance(weights.reader, GGUFReader):
+    if precision not in WEIGHT_BITS or weights is None or not isinstance(weights.reader, GGUFReader):
         return None
-    return BlockPlan(weights, BITS[precision], check_mode(mode))
+    return BlockPlan(weights, WEIGHT_BITS[precision], check_mode(mode))
 
 
 def carried(reader, stored: str, bits: int) -> Carried | None:

@@ -8,6 +8,7 @@ an existing output folder is left as it was. With ``resume`` the scratch folder 
 """
 from __future__ import annotations
 
+import dataclasses
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -16,13 +17,14 @@ from typing import Callable
 
 from mirrorsd import names
 from mirrorsd.errors import ExportOptionError
-from mirrorsd.manifest import SCHEMA_VERSION, GraphSpec, Manifest, TokenizerInfo
+from mirrorsd.manifest import SCHEMA_VERSION, GraphSpec, Manifest, TokenizerInfo, VocabSubsetInfo
 from mirrorsd.export.graphs import draft as draft_graph, draft_static, exit_head, prefix, suffix
 from mirrorsd.export.graphs import attention
 from mirrorsd.export.options import DEFAULT_TOP_K, ExportOptions
 from mirrorsd.export.gguf_blocks import check_mode
 from mirrorsd.export.quantize import check_precision
 from mirrorsd.export.streaming import graph as streaming_graph
+from mirrorsd.export import vocab_subset
 from mirrorsd.output_folder import EXPORT, StagedFolder, check_output
 
 TARGET_GRAPHS = (prefix, exit_head, suffix)  # graph modules (graphs/base.py), in validation order
@@ -48,6 +50,7 @@ def export(options: ExportOptions, progress: Callable[[str], None] = lambda step
     output = check_output(options.output, sources, options.force, EXPORT)
     stage = StagedFolder(output, resumable=options.resume)
     _check_static_options(options)
+    vocab_subset.check_size(options.draft_vocab)
     _check_max_context(options, None)
     check_precision(options.target_precision, "--target-precision")
     check_precision(options.draft_precision, "--draft-precision")
@@ -63,6 +66,8 @@ def export(options: ExportOptions, progress: Callable[[str], None] = lambda step
     check_same_vocabulary(target, draft)
     streaming = streaming_graph.detect(options.draft, draft)  # a mirrorsd-train-draft folder: + draft_streaming
     _check_fp16(options, streaming)
+    _check_draft_vocab(options, streaming)
+    vocab_subset.check_size(options.draft_vocab, draft.info.vocab_size)
     exit_layer, exit_choice = _exit_layer(options, target.info.num_layers, progress)
     _check_max_context(options, draft.info.max_position_embeddings)
     if not 1 <= options.top_k <= target.info.vocab_size:
@@ -93,17 +98,44 @@ def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_lay
             io = build.io
             graphs[role] = GraphSpec(role, names.graph_file(role), module.MODEL, io.inputs, io.outputs,
                                      build.layer_range, io.kv, validation, dict(build.static_shapes))
+    subset = _restrict_draft_vocab(scratch, options, target, draft, graphs, state, progress)
     progress("writing tokenizer and manifest")
     tokenizer = _save_tokenizer(target, scratch)
     manifest = Manifest(
         schema_version=SCHEMA_VERSION, target=target.info, draft=draft.info, exit_layer=exit_layer,
         top_k=options.top_k, graphs=graphs, tokenizer=tokenizer, generation_defaults=_generation_defaults(target),
         export_options={**_recorded_options(options), **({"exit_layer_choice": exit_choice} if exit_choice else {})},
-        versions=_versions(), attention=attention.KIND)
+        versions=_versions(), attention=attention.KIND, draft_vocab_subset=subset)
     manifest.save(scratch)
     write_genai_config(scratch, manifest)  # the target as an onnxruntime-genai decoder-pipeline model
     state.remove()
     return manifest
+
+
+def _restrict_draft_vocab(scratch: Path, options: ExportOptions, target, draft, graphs: dict, state,
+                          progress) -> VocabSubsetInfo | None:
+    """--draft-vocab N: cut the validated draft graph's LM head to the N ids (export/vocab_subset.py), in place."""
+    n = options.draft_vocab
+    if n is None:
+        return None
+    spec, file = graphs[names.DRAFT], scratch / names.graph_file(names.DRAFT)
+    if not vocab_subset.is_restricted(file):  # a resumed export may hold the cut file, and its check, already
+        progress(f"cutting the draft's LM head to {n} of {draft.info.vocab_size} ids")
+        ids = vocab_subset.subset_ids(target.tokenizer, draft.info.vocab_size, n)
+        diff = vocab_subset.restrict_file(file, ids, draft.info.vocab_size, spec.kv)
+        validated = {role: dict(g.validation) for role, g in graphs.items() if g.model == "draft"}
+        validated[names.DRAFT][vocab_subset.CHECK] = diff
+        state.record("draft", validated)
+        graphs[names.DRAFT] = dataclasses.replace(spec, validation=validated[names.DRAFT])
+    return VocabSubsetInfo(n, vocab_subset.ORDER)
+
+
+def _check_draft_vocab(options: ExportOptions, streaming) -> None:
+    if options.draft_vocab is not None and (options.static_draft or streaming is not None):
+        raise ExportOptionError("--draft-vocab was given with " + ("--static-draft" if options.static_draft else
+                                                                   "a streaming draft"),
+                                "only the plain draft graph (draft.onnx) is cut to a vocabulary subset",
+                                "drop --draft-vocab, or export that draft without it")
 
 
 def _recorded_options(options: ExportOptions) -> dict:

@@ -33,10 +33,10 @@ import tempfile
 from pathlib import Path
 
 from mirrorsd.errors import ExportOptionError
-from mirrorsd.names import PRECISIONS
+from mirrorsd.names import PRECISIONS, WEIGHT_BITS
 
 QUANTIZED = ("int8", "int4")  # what quantize_model does; fp16 graphs are traced in fp16 (templates.py)
-BITS = {"int8": 8, "int4": 4}
+BITS = WEIGHT_BITS
 BLOCK = 32  # quantization block along K: accurate and fast for these models (docs/platform-notes.md, ONNX Runtime)
 PROTOBUF_LIMIT = 2 * 1024**3 - 64 * 1024**2
 

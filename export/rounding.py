@@ -23,7 +23,7 @@ from mirrorsd.export.gguf_blocks import BLOCK, Carried, pack
 
 SEARCHES = ("none", "mse", "data")
 GRID = np.linspace(6.0, 9.0, 13, dtype=np.float32)  # divisors of max|w| tried for 4 bits; scaled for 8 (below)
-ROWS_PER_CHUNK = 1024  # rows searched at once: bounds the temporaries (rows x K x grid floats)
+ROWS_PER_CHUNK = 64  # rows searched at once: temporaries of rows x K floats stay in the caches
 
 
 @dataclass(frozen=True)
@@ -59,22 +59,33 @@ def quantize_weight(weight: np.ndarray, bits: int, search: str, importance: np.n
         np.asarray(importance, np.float32).reshape(1, k // BLOCK, BLOCK)
     scales = np.empty(rows.shape[:2], np.float32)
     for start in range(0, n, ROWS_PER_CHUNK):
-        part = rows[start:start + ROWS_PER_CHUNK]
+        part = rows[start:start + ROWS_PER_CHUNK]  # [r, nb, 32]
         peak = np.abs(part).max(axis=-1)  # [r, nb]
         best_err = np.full(peak.shape, np.inf, np.float32)
         best = np.zeros(peak.shape, np.float32)
+        work = np.empty_like(part)
         for divisor in grid:
             s = peak / divisor
-            safe = np.where(s == 0, 1, s)[..., None]
-            err = part - np.clip(np.rint(part / safe), lo, hi) * safe
-            err = err * err if weights is None else err * err * weights
-            total = err.sum(axis=-1)
+            work = _codes(part, s, lo, hi, work)
+            work *= s[..., None]
+            np.subtract(part, work, out=work)
+            work *= work
+            if weights is not None:
+                work *= weights
+            total = work.sum(axis=-1)
             better = total < best_err
-            best_err, best = np.where(better, total, best_err), np.where(better, s, best)
+            best_err[better], best[better] = total[better], s[better]
         scales[start:start + ROWS_PER_CHUNK] = best
-    safe = np.where(scales == 0, 1, scales)[..., None]
-    codes = (np.clip(np.rint(rows / safe), lo, hi) - lo).astype(np.uint8)
+    codes = (_codes(rows, scales, lo, hi) - lo).astype(np.uint8)
     return Carried(bits, pack(codes, bits), scales)
+
+
+def _codes(rows: np.ndarray, scales: np.ndarray, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+    """clip(rint(w / s)) as float32 [r, nb, 32] (w times 1/s: the search and the result round alike; s = 0 -> 0)."""
+    inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales != 0)[..., None]
+    out = np.multiply(rows, inverse, out=out)
+    np.rint(out, out=out)
+    return np.clip(out, lo, hi, out=out)
 
 
 def round_matmuls(model, options: RoundingOptions, bits: int, accuracy_level: int) -> int:

@@ -106,6 +106,15 @@ class ExitAdapterInfo:
 
 
 @dataclass(frozen=True)
+class VocabSubsetInfo:
+    """The draft's vocabulary subset (mirrorsd-export --draft-vocab N): its LM head scores only ``size`` ids, the
+    first of the ranking ``order`` (export/vocab_subset.py); every other id gets a very negative finite logit."""
+
+    size: int
+    order: str
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything a runtime needs to drive an export folder."""
 
@@ -124,6 +133,7 @@ class Manifest:
     # it; quantized targets then keep fp32 activations).
     attention: str = "eager"
     exit_adapter: ExitAdapterInfo | None = None  # a trained exit adapter (mirrorsd-train-exit), else None
+    draft_vocab_subset: VocabSubsetInfo | None = None  # mirrorsd-export --draft-vocab N, else None (whole vocabulary)
 
     def graph(self, role: str) -> GraphSpec:
         try:

@@ -42,6 +42,7 @@ OPTIONAL_ROLES = (DRAFT_STATIC, DRAFT_STREAMING, EXIT_SPARSE)
 MANIFEST_FILE = "mirrorsd.json"
 PRECISIONS = ("fp32", "fp16", "int8", "int4")  # weight precisions of a model in an export (export/quantize.py);
 #                                               fp16: weights and compute in half precision (GPU targets)
+WEIGHT_BITS = {"int8": 8, "int4": 4}  # bits per weight of the quantized precisions (MatMulNBits)
 TOKENIZER_DIR = "tokenizer"
 
 

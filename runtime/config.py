@@ -20,6 +20,11 @@ AUTO = "auto"  # the mode (and its settings) the latency model predicts fastest 
 MODE_CHOICES = (AUTO, *MODES)
 BRANCH_BUDGETS = ("time", "cap")
 DRAFT_FAILURE = ("raise", "fallback")
+DRAFT_TIMEOUT_NEVER_S = 1e9  # a draft_timeout_s at or above this (about 31 years, or inf) waits without a limit
+COUNTS = ("max_new_tokens", "gamma", "branches", "branch_batch", "runner_up_k")  # integers of at least COUNT_MIN
+COUNT_MIN = 1
+# These names, defaults and bounds are libmirrorsd's too: runtime/native/src/settings.hpp is generated from them
+# (python -m mirrorsd.runtime.native.settings), and tests/test_native_settings.py fails when C differs.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,14 +37,22 @@ class MirrorSettings:
     exit_head: bool = True  # hand the early exit's top-k to the worker (costs one LM-head pass per step)
     draft_timeout_s: float = 120.0  # the main thread gives up on a silent worker after this long
 
+    @property
+    def draft_wait_s(self) -> float | None:
+        """draft_timeout_s as a wait's timeout: None (no limit) from DRAFT_TIMEOUT_NEVER_S up, which the threading
+        module could not hold."""
+        return None if self.draft_timeout_s >= DRAFT_TIMEOUT_NEVER_S else self.draft_timeout_s
+
     def check(self) -> None:
-        for name in ("branches", "branch_batch", "runner_up_k"):
+        for name in COUNTS[2:]:  # branches, branch_batch, runner_up_k
             _check_count(self, name)
         _check_choice(self, "branch_budget", BRANCH_BUDGETS)
-        if not isinstance(self.draft_timeout_s, (int, float)) or not self.draft_timeout_s > 0:  # NaN fails too
+        if isinstance(self.draft_timeout_s, bool) or not isinstance(self.draft_timeout_s, (int, float)) or \
+                not self.draft_timeout_s > 0:  # NaN fails too
             raise GenerationInputError(f"draft_timeout_s must be a positive number of seconds, got "
                                        f"{self.draft_timeout_s!r}", "it bounds each wait for the draft worker",
-                                       "pass a value such as 120")
+                                       f"pass a value such as 120, or {DRAFT_TIMEOUT_NEVER_S:g} (or more) for no "
+                                       "limit")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +77,8 @@ class GenerationConfig(MirrorSettings):
     seed: int | None = None  # None: a fresh seed, reported in GenerationResult.sampling (the same seed = same tokens)
     verify: str = "exact"  # sd/mirror at T > 0: "exact" (target draws, draft must match) or "residual" (p/q rule)
     streaming: bool = True  # sd/mirror: draft with the export's streaming draft (draft_streaming) when it has one
-    ngram: bool = False  # sd: the draft checks a prompt-lookup guess as lookahead (same windows, fewer forwards)
+    ngram: bool = False  # sd, mirror: fresh draft windows check a prompt-lookup guess as lookahead (same windows,
+    #                      fewer forwards)
     ngram_min: int = 2  # ngram, sd --ngram: the shortest earlier n-gram a lookup matches ...
     ngram_max: int = 4  # ... and the longest, tried first
 
@@ -75,7 +89,7 @@ class GenerationConfig(MirrorSettings):
 
     def check(self) -> None:
         _check_choice(self, "mode", MODE_CHOICES)
-        for name in ("max_new_tokens", "gamma"):
+        for name in COUNTS[:2]:  # max_new_tokens, gamma
             _check_count(self, name)
         super().check()
         _check_choice(self, "on_draft_failure", DRAFT_FAILURE)
@@ -90,7 +104,7 @@ class GenerationConfig(MirrorSettings):
 
 def _check_count(config, name: str) -> None:
     value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < COUNT_MIN:
         raise GenerationInputError(f"{name} must be a positive integer, got {value!r}",
                                    "it counts tokens or branches", f"pass {name} >= 1")
 

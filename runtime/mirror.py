@@ -27,6 +27,7 @@ import numpy as np
 from mirrorsd.errors import DraftWorkerError
 from mirrorsd.runtime.config import MirrorSettings
 from mirrorsd.runtime.models import DraftModel
+from mirrorsd.runtime.ngram import NgramIndex, NgramSettings
 from mirrorsd.runtime.rollout import Window, adopt, branches, fresh
 from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.verify import AcceptanceEstimate, Verdict, rank_branches, top_k_logprobs
@@ -89,9 +90,10 @@ class DraftWorker(threading.Thread):
     """Owns the draft model; answers each verdict with the next window (all of them from the rollout engine)."""
 
     def __init__(self, draft: DraftModel, settings: MirrorSettings, sampler: Sampler = GREEDY,
-                 lookahead: bool = False) -> None:
+                 lookahead: bool = False, lookup: NgramSettings | None = None) -> None:
         super().__init__(name="mirrorsd-draft", daemon=True)
         self.draft, self.settings, self.sampler, self.lookahead = draft, settings, sampler, lookahead
+        self.lookup = NgramIndex(lookup) if lookup is not None else None  # guesses for fresh windows (ngram.py)
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.committed: list[int] = []
@@ -130,7 +132,12 @@ class DraftWorker(threading.Thread):
 
     # ---- windows -----------------------------------------------------------------------------------------
     def _fresh(self, gamma: int) -> Window:
-        window = fresh(self.draft, self.committed, gamma, self.sampler, self.settings.runner_up_k, self.lookahead)
+        guess = None
+        if self.lookup is not None:  # a miss drafts afresh: a prompt-lookup guess as lookahead saves forwards
+            self.lookup.sync(self.committed)
+            guess = self.lookup.lookup(gamma - 1)
+        window = fresh(self.draft, self.committed, gamma, self.sampler, self.settings.runner_up_k, self.lookahead,
+                       guess)
         self.counters.forwards_since_verdict += window.forwards
         return window
 
@@ -223,8 +230,10 @@ class MirrorProposer:
 
     mode = "mirror"
 
-    def __init__(self, draft: DraftModel, settings: MirrorSettings = MirrorSettings(), lookahead: bool = False) -> None:
+    def __init__(self, draft: DraftModel, settings: MirrorSettings = MirrorSettings(), lookahead: bool = False,
+                 lookup: NgramSettings | None = None) -> None:
         self.draft, self.settings, self.lookahead = draft, settings, lookahead  # lookahead: a streaming draft
+        self.lookup = lookup  # prompt lookup's guesses for the worker's fresh windows (None: none)
         self.worker: DraftWorker | None = None
         self._awaiting_window = False
         self._active = False
@@ -241,7 +250,7 @@ class MirrorProposer:
         """Start this generation's worker (one per generation: a finished one leaves no thread behind)."""
         self.finish()
         self._wait_for_stuck()
-        self.worker = DraftWorker(self.draft, self.settings, sampler, self.lookahead)
+        self.worker = DraftWorker(self.draft, self.settings, sampler, self.lookahead, self.lookup)
         self.worker.start()
         self._awaiting_window, self._active = False, True
         self.worker.inbox.put(_Prefill(list(prompt)))
@@ -251,7 +260,7 @@ class MirrorProposer:
             self.worker.inbox.put(_Propose(list(committed), gamma))
         self._awaiting_window = False
         try:
-            reply = self.worker.outbox.get(timeout=self.settings.draft_timeout_s)
+            reply = self.worker.outbox.get(timeout=self.settings.draft_wait_s)
         except queue.Empty:
             self._active = False
             raise DraftWorkerError("The draft worker did not deliver a window",
@@ -285,7 +294,7 @@ class MirrorProposer:
         if worker is None:
             return
         worker.inbox.put(_Stop())
-        worker.join(self.settings.draft_timeout_s if timeout is None else timeout)
+        worker.join(self.settings.draft_wait_s if timeout is None else timeout)
         if worker.is_alive():
             self._stuck = worker  # it exits when its call returns (it finds Stop); until then it owns the draft
             raise DraftWorkerError("The draft worker did not stop", "a draft graph call is still running",
@@ -300,7 +309,7 @@ class MirrorProposer:
         """No second worker may touch the draft model while a stuck one may still write to its caches."""
         if self._stuck is None:
             return
-        self._stuck.join(self.settings.draft_timeout_s)
+        self._stuck.join(self.settings.draft_wait_s)
         if self._stuck.is_alive():
             raise DraftWorkerError("The previous draft worker is still inside a draft call",
                                    f"it has not returned for {self.settings.draft_timeout_s:g} s more, and a new "

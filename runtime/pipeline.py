@@ -385,11 +385,12 @@ class Pipeline:
         draft, lookahead = (streaming, True) if streaming else (self.draft, False)  # the streams are lookahead
         if config.mode == "sd":
             return SerialDraft(draft, lookahead, NgramIndex(lookup) if config.ngram else None)
-        settings = config.mirror
-        if self._mirror is None or self._mirror.settings != settings or self._mirror.draft is not draft:
+        settings, guesses = config.mirror, lookup if config.ngram else None
+        if self._mirror is None or (self._mirror.settings, self._mirror.lookup) != (settings, guesses) or \
+                self._mirror.draft is not draft:
             if self._mirror is not None:
                 self._mirror.close()
-            self._mirror = MirrorProposer(draft, settings, lookahead)
+            self._mirror = MirrorProposer(draft, settings, lookahead, guesses)
         return self._mirror
 
     def close(self) -> None:

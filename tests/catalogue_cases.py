@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from catalogue import Case, Run
+from catalogue_kernel_cases import KERNEL_CASES
 from catalogue_fixtures import (
     NESTED_LOOPS, QUIET_LOOPS, DOUBLING, edit_manifest, edit_config, poison_suffix, external_data_outside,
     unwritable, export_run, quantize_run, generate_run, bench_run, train_run, train_exit_run, python_run, not_suggesting_the_model,
@@ -19,7 +20,7 @@ from catalogue_fixtures import (
 
 
 # ---- the catalogue -----------------------------------------------------------------------------------------------
-CASES: list[Case] = []
+CASES: list[Case] = [*KERNEL_CASES]  # the kernel library's cache: tests/catalogue_kernel_cases.py
 
 
 def case(id: str, issue: str, what: str, **expect):

@@ -69,16 +69,11 @@ def pipelines():
 def native_build(tmp_path_factory):
     """libmirrorsd, its unit tests and the C++ sample (samples/cpp includes runtime/native), built once per session
     with CMake against the vendored ONNX Runtime header and the onnxruntime wheel's library."""
-    import shutil
-    from types import SimpleNamespace
+    import native_tools
 
-    if shutil.which("cmake") is None or (shutil.which("c++") or shutil.which("g++")) is None:
-        pytest.skip("no C++ compiler: cmake and a C++17 compiler are needed to build libmirrorsd (runtime/native)")
-    from mirrorsd.runtime.native import LIBRARY_NAME, cmake_build
-
-    out = cmake_build(Path(__file__).resolve().parent.parent / "samples" / "cpp", tmp_path_factory.mktemp("native"))
-    return SimpleNamespace(folder=out, library=out / "mirrorsd" / LIBRARY_NAME, cli=out / "mirrorsd_cli",
-                           unit_tests=out / "mirrorsd" / "mirrorsd_unit_tests")
+    if why := native_tools.compiler_missing():
+        pytest.skip(why)
+    return native_tools.build(tmp_path_factory.mktemp("native"))
 
 
 @pytest.fixture(scope="session")

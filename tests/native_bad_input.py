@@ -157,9 +157,7 @@ def main() -> None:
     stats = Stats(struct_size=ctypes.sizeof(Stats))
     generate("generate: callback stops", callback=stop, stats=stats, mode=2, max_new_tokens=20)
     results.append(["stopped", len(tokens), f"finish {stats.finish_reason} new {stats.new_tokens}"])
-    lib.mirrorsd_close(model)
-    lib.mirrorsd_close(None)
-    results.append(["closed", 0, ""])
+    results.append(["closed", lib.mirrorsd_close(model) + lib.mirrorsd_close(None), ""])
     print(json.dumps(results))
 
 

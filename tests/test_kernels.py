@@ -16,9 +16,13 @@ from kernel_graphs import (activation_error_bound, library_or_skip, model_bytes,
 from mirrorsd.devices import kernels
 
 ort = pytest.importorskip("onnxruntime")
-PATHS = ("avx512vnni", "avx2", "scalar")
-# every tile shape of every path (tiles of at most 6 rows on AVX2, 8 on AVX-512 VNNI) and uneven splits into tiles
-ROWS = (*range(1, 10), 13, 17)
+PATHS = ("amx", "avx512vnni", "avx2", "scalar")
+# every tile shape of every path (tiles of at most 6 rows on AVX2, 8 on AVX-512 VNNI, 16 on AMX) and uneven splits
+# into tiles
+ROWS = (*range(1, 18), 23, 33)
+# what each path needs of the CPU (and of the OS), said when a test skips it
+NEEDS = {"amx": "AMX tiles (amx_tile, amx_int8) with AVX-512 VNNI, and Linux granting the tile state",
+         "avx512vnni": "AVX-512 F/BW/VL and VNNI", "avx2": "AVX2 and FMA", "scalar": "nothing"}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +32,7 @@ def lib():
 
 def need(lib, path: str) -> None:
     if not lib.paths.get(path):
-        pytest.skip(f"this CPU cannot run the {path} path")
+        pytest.skip(f"this CPU cannot run the {path} path: it needs {NEEDS[path]}")
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 
 from mirrorsd.errors import ManifestError
-from mirrorsd.manifest import GraphSpec, KVSpec, Manifest, ModelInfo, TensorSpec, TokenizerInfo, load_manifest
+from mirrorsd.manifest import (GraphSpec, KVSpec, Manifest, ModelInfo, TensorSpec, TokenizerInfo, VocabSubsetInfo,
+                               load_manifest)
 from mirrorsd.names import MANIFEST_FILE
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (pip install -e '.[dev]')")
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "docs" / "manifest.schema.json"
-DEFS = {Manifest: None, ModelInfo: "model_info", GraphSpec: "graph", KVSpec: "kv", TensorSpec: "tensor"}
+DEFS = {Manifest: None, ModelInfo: "model_info", GraphSpec: "graph", KVSpec: "kv", TensorSpec: "tensor",
+        VocabSubsetInfo: "vocab_subset"}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,7 @@ def test_bad_values_fail_schema(path, value, validator, manifest_data):
     assert not validator.is_valid(manifest_data)
 
 
-@pytest.mark.parametrize("cls", [Manifest, ModelInfo, GraphSpec, KVSpec, TensorSpec, TokenizerInfo])
+@pytest.mark.parametrize("cls", [Manifest, ModelInfo, GraphSpec, KVSpec, TensorSpec, TokenizerInfo, VocabSubsetInfo])
 def test_schema_properties_are_the_dataclass_fields(cls, validator):
     schema = validator.schema
     if cls is TokenizerInfo:

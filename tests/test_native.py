@@ -36,6 +36,15 @@ def test_unit_tests_pass(native_build):
     assert done.returncode == 0 and "unit tests passed" in done.stdout, done.stdout + done.stderr
 
 
+def test_hostile_driver_runs_the_catalogue_cases(native_build):
+    """runtime/native/tests/hostile.c is run case by case by the reliability catalogue (tests/catalogue_native.py):
+    every case it has is in the catalogue, and the other way round."""
+    from catalogue_native import HOSTILE
+
+    done = subprocess.run([str(native_build.hostile), "--list"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and sorted(done.stdout.split()) == sorted(HOSTILE)
+
+
 def test_cpp_sample_equals_python_ar(native_build, exported, pipelines):
     folder = exported("llama", draft_layers=2)
     done = subprocess.run([str(native_build.cli), str(folder), "--mode", "all", "--max-new-tokens", str(NEW),
@@ -68,7 +77,7 @@ EXPECTED = {  # case -> (status, words the message must hold); 1 argument, 2 man
     "open: external nested": (3, "from outside its folder"),
     "open: external symlink": (3, "from outside its folder"),
     "open: bad struct_size": (1, "struct_size"),
-    "open: negative threads": (1, "target_threads is negative"),
+    "open: negative threads": (1, "target_threads -2 is out of range"),
     "open: device bogus": (1, "Unknown device 'bogus'"),
     "open: device cuda": (4, "no CUDAExecutionProvider"),
     "open: device dml": (4, "DirectML"),
@@ -161,3 +170,15 @@ def test_draft_on_openvino_plugin_ep_is_lossless_or_refused_clearly(native_build
         ar = model.generate(PROMPT, mode="ar", max_new_tokens=NEW)
         for mode in ("sd", "mirror"):
             assert model.generate(PROMPT, mode=mode, max_new_tokens=NEW).tokens == ar.tokens
+
+
+@pytest.mark.parametrize("timeout", [1e300, float("inf")])
+def test_a_huge_draft_timeout_means_no_limit_in_both_runtimes(native_models, exported, pipelines, timeout):
+    """A draft_timeout_s past what a clock can hold (meant as "never") waits without a limit, in Python and in C,
+    instead of overflowing into a negative wait that fails every mirror generation."""
+    folder = exported("llama", draft_layers=2)
+    expected = pipelines(folder).generate(PROMPT, GenerationConfig(mode="ar", max_new_tokens=NEW)).tokens
+    python = pipelines(folder).generate(PROMPT, GenerationConfig(mode="mirror", max_new_tokens=NEW,
+                                                                 draft_timeout_s=timeout))
+    native = native_models(folder).generate(PROMPT, mode="mirror", max_new_tokens=NEW, draft_timeout_s=timeout)
+    assert python.tokens == expected and native.tokens == expected

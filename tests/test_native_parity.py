@@ -128,7 +128,7 @@ def test_failing_draft_raises_or_falls_back_like_python(exported, tmp_path, nati
         for mode in ("sd", "mirror"):
             with pytest.raises(DraftWorkerError, match="draft"):
                 native.generate(PROMPTS[0], mode=mode, max_new_tokens=NEW)
-            out = native.generate(PROMPTS[0], mode=mode, max_new_tokens=NEW, fallback_on_draft_failure=True)
+            out = native.generate(PROMPTS[0], mode=mode, max_new_tokens=NEW, on_draft_failure="fallback")
             py = pipe.generate(PROMPTS[0], GenerationConfig(mode=mode, max_new_tokens=NEW,
                                                             on_draft_failure="fallback"))
             assert out.tokens == ar.tokens == py.tokens and out.stats["draft_failures"] == 1, mode

@@ -99,17 +99,28 @@ def test_proposer_windows_and_one_hot_q():
 REPEATS = [[1, 17, 42, 99, 7, 1, 17, 42, 99], [3, 4, 5, 3, 4, 5, 3, 4]]
 
 
-@pytest.fixture(scope="module")
-def pipe(tmp_path_factory):
-    """A memoryless tiny llama (tiny_models.build_model): its greedy text runs into a cycle within a few dozen
-    tokens, so lookups match; a random model's text hardly ever repeats. The draft is its first 2 layers."""
+def memoryless_pipeline(folder, draft_layers):
     from mirrorsd.export.pipeline import ExportOptions, export
     from mirrorsd.runtime import Pipeline
     from tiny_models import build_model
 
-    folder = tmp_path_factory.mktemp("ngram")
-    export(ExportOptions(model=build_model(folder / "hf", memoryless=True), output=folder / "out", draft_layers=2))
-    with Pipeline.load(folder / "out") as loaded:
+    export(ExportOptions(model=build_model(folder / "hf", memoryless=True), output=folder / "out",
+                         draft_layers=draft_layers))
+    return Pipeline.load(folder / "out")
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    """A memoryless tiny llama (tiny_models.build_model): its greedy text runs into a cycle within a few dozen
+    tokens, so lookups match; a random model's text hardly ever repeats. The draft is its first 2 layers."""
+    with memoryless_pipeline(tmp_path_factory.mktemp("ngram"), 2) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def same_pipe(tmp_path_factory):
+    """The memoryless model with a draft equal to it (every window the text's own continuation)."""
+    with memoryless_pipeline(tmp_path_factory.mktemp("ngram-same"), 4) as loaded:
         yield loaded
 
 
@@ -155,12 +166,37 @@ def test_sd_with_lookup_drafts_the_same_windows_in_fewer_forwards(streaming, pip
     assert fewer, "some guess must have saved a draft forward"
 
 
+@pytest.mark.parametrize("kind", ["truncated", "same"])
+def test_mirror_with_lookup_drafts_the_same_windows(kind, pipe, same_pipe):
+    """Mirror's fresh windows (the first one, and misses) take the lookup's guess as lookahead; with the cap budget
+    (every branch rolled out before the verdict, deterministic) the windows are the same as without it, the
+    forwards no more. A miss is where the draft left the target's text, so the guesses save forwards where the draft
+    follows the text (the same draft), hardly ever after a miss of the truncated one."""
+    pipe = same_pipe if kind == "same" else pipe
+    fewer = False
+    for prompt in PROMPTS + REPEATS:
+        base = GenerationConfig(mode="mirror", max_new_tokens=NEW, gamma=4, branch_budget="cap", branches=2)
+        plain = pipe.generate(prompt, base)
+        looked = pipe.generate(prompt, GenerationConfig(**{**base.__dict__, "ngram": True}))
+        assert looked.tokens == plain.tokens
+        assert (looked.stats.steps, looked.stats.drafted, looked.stats.accepted, looked.stats.reused) == \
+            (plain.stats.steps, plain.stats.drafted, plain.stats.accepted, plain.stats.reused)
+        assert looked.stats.draft_forwards <= plain.stats.draft_forwards
+        fewer |= looked.stats.draft_forwards < plain.stats.draft_forwards
+        time_budget = pipe.generate(prompt, GenerationConfig(**{**base.__dict__, "ngram": True,
+                                                                "branch_budget": "time"}))
+        assert time_budget.tokens == plain.tokens
+    if kind == "same":
+        assert fewer, "some guess must have saved a draft forward"
+
+
 def test_identical_draft_with_lookup(exported, pipelines):
     pipe = pipelines(exported("llama", draft_layers=4))  # a draft equal to the target: every window accepted
     for prompt in PROMPTS + REPEATS:
         ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW))
-        out = pipe.generate(prompt, GenerationConfig(mode="sd", ngram=True, max_new_tokens=NEW, gamma=3))
-        assert out.tokens == ar.tokens and out.stats.acceptance_rate == 1.0
+        for mode in ("sd", "mirror"):
+            out = pipe.generate(prompt, GenerationConfig(mode=mode, ngram=True, max_new_tokens=NEW, gamma=3))
+            assert out.tokens == ar.tokens and out.stats.acceptance_rate == 1.0
 
 
 @pytest.mark.parametrize("kw", [dict(ngram_min=0), dict(ngram_min=3, ngram_max=2), dict(ngram_max=17),
@@ -313,3 +349,21 @@ def test_auto_switches_to_ngram_when_its_replay_pays(pipe):
     assert [s.new.split()[0] for s in proposer.switches][:1] == ["ngram"], proposer.report()
     assert "lookup replay" in proposer.switches[0].reason
     assert outcome.counters.accepted > 0  # copied windows were verified and accepted
+
+
+def test_bench_report_has_lookup_rates_per_category():
+    from types import SimpleNamespace
+
+    from mirrorsd.apps.bench_report import _lookup_lines
+
+    def run(category, mode, steps, windows, drafted, accepted):
+        stats = dict(steps=steps, windows=windows, drafted=drafted, accepted=accepted)
+        return SimpleNamespace(category=category, mode=mode, stats=stats)
+
+    result = SimpleNamespace(runs=[run("coding", "ngram", 10, 4, 12, 6), run("qa", "ngram", 20, 0, 0, 0),
+                                   run("coding", "ar", 30, 0, 0, 0)])
+    lines = _lookup_lines(result, ["coding", "qa"])
+    assert "| coding | 10 | 0.40 | 0.50 | 1.60 |" in lines
+    assert "| qa | 20 | 0.00 | 0.00 | 1.00 |" in lines
+    assert "| all | 30 | 0.13 | 0.50 | 1.20 |" in lines
+    assert _lookup_lines(SimpleNamespace(runs=[run("qa", "ar", 5, 0, 0, 0)]), ["qa"]) == []

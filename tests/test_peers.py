@@ -13,9 +13,10 @@ import pytest
 from mirrorsd.apps.bandwidth import Ceiling
 from mirrorsd.apps.bench import BenchOptions, BenchResult, PromptRun, cpu_facts
 from mirrorsd.apps.bench_report import COLUMNS, machine_line, markdown
-from mirrorsd.apps.peers import (PEER_MODES, PeerModels, PeerUnavailableError, assistant_schedule, families, peer_stats)
+from mirrorsd.apps.peers import (PEER_MODES, PeerModels, PeerUnavailableError, assistant_schedule, families,
+                                 peer_stats)
 from mirrorsd.apps.peers_llamacpp import (SERVER_ENV, completion_request, gguf_for, llama_stats, parse_completion,
-                                     server_binary, server_command)
+                                          server_binary, server_command)
 
 EOS = (7, 9)
 

@@ -1,5 +1,6 @@
-"""Every case of the reliability catalogue (tests/catalogue_cases.py) is handled: the user's files are intact, no
-scratch folder is left, a failure is one what/why/fix line with no traceback, and it ends in bounded time.
+"""Every case of the reliability catalogue (tests/catalogue_cases.py; the C ABI's in tests/catalogue_native.py) is
+handled: the user's files are intact, no scratch folder is left, a failure is one what/why/fix line with no
+traceback, and it ends in bounded time.
 
 docs/reliability.md is this catalogue's table, before and after (scripts/lab/reliability_table.py prints it).
 """
@@ -9,6 +10,7 @@ import pytest
 
 from catalogue import Workspace, execute
 from catalogue_cases import CASES
+from catalogue_native import CASES as NATIVE_CASES
 from catalogue_fixtures import build_fixtures
 
 
@@ -17,7 +19,7 @@ def catalogue_fixtures(tmp_path_factory):
     return build_fixtures(tmp_path_factory.mktemp("catalogue-fixtures"))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", CASES + NATIVE_CASES, ids=[c.id for c in CASES + NATIVE_CASES])
 def test_case_is_handled(case, catalogue_fixtures, tmp_path):
     workspace = Workspace(tmp_path / "w", catalogue_fixtures)
     outcome = execute(case, workspace)

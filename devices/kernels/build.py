@@ -7,6 +7,10 @@ The compiler line is the one devices/kernels/CMakeLists.txt describes (each SIMD
 cpuid choosing at run time); a plain compiler call keeps the build to what a machine with g++ or clang++ has. The
 library links nothing but libstdc++: ONNX Runtime hands it its API table at registration. Builds happen in a
 private folder and are renamed into place, under a lock, so concurrent processes never see half a library.
+
+A cached library is checked before it is loaded (cache.py: a regular file whose bytes match the checksum written at
+build time). A damaged entry is moved aside and rebuilt once; when the rebuild fails too, KernelsUnavailableError
+says why (``--kernels auto`` then runs ONNX Runtime's kernels). Either way one KernelCacheWarning line says so.
 """
 from __future__ import annotations
 
@@ -19,10 +23,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from mirrorsd.errors import KernelsUnavailableError
+from mirrorsd.devices.kernels import cache as entries
 from mirrorsd.weights import default_cache_dir
 
 HERE = Path(__file__).parent
@@ -36,8 +42,13 @@ BASE_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-ffp-contract=off", "-fno-math-errn
               "-fvisibility-inlines-hidden", "-Wall", "-Wextra", "-Wno-maybe-uninitialized")
 # file -> its instruction-set flags; files not named here are built for the baseline CPU
 X86_FILES = {"gemm_avx2.cpp": ("-mavx2", "-mfma"),
-             "gemm_avx512.cpp": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma")}
-FAST_PATHS = ("avx512vnni", "avx2")  # the paths worth using instead of ONNX Runtime's kernel, fastest first
+             "gemm_avx512.cpp": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"),
+             "gemm_amx.cpp": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mamx-tile",
+                              "-mamx-int8")}
+# the layout of a cache entry (2: with its checksum); entries of another layout are never read
+ENTRY_FORMAT = "2"
+FAST_PATHS = ("avx512vnni", "amx", "avx2")  # the paths worth using instead of ONNX Runtime's kernel, in the order
+# the library picks them (amx only when forced: see src/register.cpp)
 
 
 @dataclass(frozen=True)
@@ -79,13 +90,23 @@ def build_hash(compiler: str) -> str:
     for path in sorted([*SOURCES.iterdir(), *ORT_HEADERS.iterdir()]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    for text in (onnxruntime.__version__, version, platform.machine(), " ".join(BASE_FLAGS)):
+    for text in (onnxruntime.__version__, version, platform.machine(), " ".join(BASE_FLAGS), ENTRY_FORMAT):
         digest.update(text.encode() + b"\0")
     return digest.hexdigest()[:16]
 
 
+class KernelCacheWarning(UserWarning):
+    """The cached kernel library was damaged: it was rebuilt, or ONNX Runtime's kernels run instead (one line)."""
+
+
+# folder -> the library found or built there, or why none can be: settled once per process, so a failed rebuild is
+# not retried by every session that asks
+_RESOLVED: dict[Path, KernelLibrary | KernelsUnavailableError] = {}
+
+
 def library(cache: Path | None = None) -> KernelLibrary:
-    """The built library (building it on first use); raises KernelsUnavailableError when it cannot be built."""
+    """The built library (building it on first use, rebuilding a damaged one once); raises KernelsUnavailableError
+    when it cannot be built or loaded."""
     if not sys.platform.startswith("linux"):
         raise KernelsUnavailableError(f"mirrorsd kernels are not built on {sys.platform}",
                                       "the on-demand build knows the Linux toolchain only",
@@ -96,34 +117,92 @@ def library(cache: Path | None = None) -> KernelLibrary:
                                       "none of $CXX, c++, g++, clang++ is on PATH",
                                       "install one (e.g. apt-get install g++), or run with ONNX Runtime's kernels")
     folder = (cache or default_cache_dir()) / "kernels" / build_hash(compiler)
+    if folder not in _RESOLVED:
+        try:
+            _RESOLVED[folder] = _load_or_build(compiler, folder)
+        except KernelsUnavailableError as exc:
+            _RESOLVED[folder] = exc
+    found = _RESOLVED[folder]
+    if isinstance(found, KernelsUnavailableError):
+        raise found
+    return found
+
+
+def _load_or_build(compiler: str, folder: Path) -> KernelLibrary:
+    """Load the cached library when it is sound; else build it, moving a damaged entry aside first (once)."""
+    problem = entries.entry_problem(folder, LIBRARY_NAME)
+    if problem is None:
+        try:
+            return _loaded(folder)
+        except KernelsUnavailableError as exc:
+            problem = f"it does not load: {exc.why}"
+    damage = None if problem == "missing" else problem
+    try:
+        _build_locked(compiler, folder, damage)
+        if (after := entries.entry_problem(folder, LIBRARY_NAME)) is not None:
+            raise KernelsUnavailableError("The built mirrorsd kernel library is not sound", after,
+                                          f"remove {folder} and run python -m mirrorsd.devices.kernels")
+        built = _loaded(folder)
+    except KernelsUnavailableError as exc:
+        if damage is not None:
+            warnings.warn(f"mirrorsd kernels: the cached library in {folder} was damaged ({damage}) and rebuilding "
+                          f"it failed ({exc.what.rstrip('.')}): ONNX Runtime's kernels run instead",
+                          KernelCacheWarning, stacklevel=4)
+        raise
+    if damage is not None:
+        warnings.warn(f"mirrorsd kernels: the cached library in {folder} was damaged ({damage}); rebuilt it",
+                      KernelCacheWarning, stacklevel=4)
+    return built
+
+
+def _loaded(folder: Path) -> KernelLibrary:
     path = folder / LIBRARY_NAME
-    if not path.is_file():
-        _build_locked(compiler, folder)
     return KernelLibrary(path, probe_paths(path))
 
 
 def probe_paths(path: Path) -> dict[str, bool]:
     """Ask the library which of its paths this CPU runs (the same cpuid test it applies when a session loads)."""
-    handle = ctypes.CDLL(str(path))
-    handle.mirrorsd_kern_paths.restype = ctypes.c_char_p
-    pairs = handle.mirrorsd_kern_paths().decode().split(",")
-    return {name: flag == "1" for name, flag in (pair.split(":") for pair in pairs)}
+    try:
+        handle = ctypes.CDLL(str(path))
+        handle.RegisterCustomOps  # noqa: B018 - the entry point ONNX Runtime will look up
+        handle.mirrorsd_kern_paths.restype = ctypes.c_char_p
+        pairs = handle.mirrorsd_kern_paths().decode().split(",")
+        return {name: flag == "1" for name, flag in (pair.split(":") for pair in pairs)}
+    except (OSError, AttributeError, ValueError, UnicodeDecodeError) as exc:
+        raise KernelsUnavailableError(f"The mirrorsd kernel library {path} does not load", str(exc)[:300],
+                                      "remove it and run python -m mirrorsd.devices.kernels, or run with ONNX "
+                                      "Runtime's kernels") from None
 
 
-def _build_locked(compiler: str, folder: Path) -> None:
+def _build_locked(compiler: str, folder: Path, damage: str | None) -> None:
+    """Build the library into ``folder`` under a lock, first moving aside a damaged entry (``damage`` says what is
+    wrong, or None) or a file where the kernels folder belongs. A cache it cannot write raises
+    KernelsUnavailableError."""
     import fcntl
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same library
-        if (folder / LIBRARY_NAME).is_file():
-            return
-        work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-        try:
-            compile_library(compiler, work / LIBRARY_NAME)
-            os.replace(work, folder)  # atomic: the folder appears with its library in it
-        finally:
-            shutil.rmtree(work, ignore_errors=True)  # gone after the rename; a failed build's leftovers
+    try:
+        if folder.parent.exists() and not folder.parent.is_dir():
+            entries.move_aside(folder.parent)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building (or repairing) the same library
+            problem = entries.entry_problem(folder, LIBRARY_NAME)
+            if problem is None and damage is None:
+                return  # another process built it meanwhile
+            if problem != "missing":
+                entries.move_aside(folder)  # nothing is deleted: the damaged entry keeps its bytes, renamed
+            work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+            try:
+                compile_library(compiler, work / LIBRARY_NAME)
+                entries.write_stamp(work / LIBRARY_NAME)
+                os.replace(work, folder)  # atomic: the folder appears with its library and checksum in it
+            finally:
+                shutil.rmtree(work, ignore_errors=True)  # gone after the rename; a failed build's leftovers
+    except OSError as exc:
+        raise KernelsUnavailableError(f"Cannot build the mirrorsd kernels in {folder.parent}",
+                                      f"{exc.strerror or exc} ({exc.filename or folder})",
+                                      "make the cache folder writable (or set MIRRORSD_CACHE to one that is), or "
+                                      "run with ONNX Runtime's kernels") from None
 
 
 def compile_library(compiler: str, output: Path) -> None:

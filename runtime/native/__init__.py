@@ -23,10 +23,13 @@ from pathlib import Path
 
 from mirrorsd.errors import (DeviceError, DraftWorkerError, GenerationInputError, GraphFileError, ManifestError,
                              MirrorSDError)
-from mirrorsd.runtime.config import GenerationConfig as G
 
-MODES = {"ar": 0, "sd": 1, "mirror": 2}
-BUDGETS = {"time": 0, "cap": 1}
+from mirrorsd.runtime.config import BRANCH_BUDGETS, DRAFT_FAILURE
+
+C_MODES = ("ar", "sd", "mirror")  # the modes libmirrorsd implements: the first ones of config.py's MODES
+MODES = {mode: value for value, mode in enumerate(C_MODES)}  # the C ABI's values: positions in config.py's tuples
+BUDGETS = {budget: value for value, budget in enumerate(BRANCH_BUDGETS)}
+DRAFT_FAILURES = {choice: value for value, choice in enumerate(DRAFT_FAILURE)}
 FINISH_REASONS = ("length", "eos", "context", "callback")
 LIBRARY_NAME = "libmirrorsd.so"
 
@@ -36,7 +39,7 @@ class NativeLibraryError(MirrorSDError):
 
 
 ERRORS = {1: GenerationInputError, 2: ManifestError, 3: GraphFileError, 4: DeviceError, 5: NativeLibraryError,
-          6: DraftWorkerError, 7: NativeLibraryError}
+          6: DraftWorkerError, 7: NativeLibraryError, 8: GenerationInputError}  # 8: busy (re-entry, close in use)
 
 
 class OpenOptions(ctypes.Structure):
@@ -49,7 +52,7 @@ class OpenOptions(ctypes.Structure):
 class GenerateConfig(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32)] + [(name, ctypes.c_int32) for name in (
         "mode", "max_new_tokens", "gamma", "branches", "branch_batch", "runner_up_k", "branch_budget", "exit_head",
-        "fallback_on_draft_failure")] + [("draft_timeout_s", ctypes.c_double)]
+        "on_draft_failure")] + [("draft_timeout_s", ctypes.c_double)]
 
 
 STAT_COUNTS = ("prompt_tokens", "new_tokens", "steps", "drafted", "accepted", "windows", "reused", "fallbacks",
@@ -71,7 +74,8 @@ class ModelInfo(ctypes.Structure):
                                               "draft_layers", "top_k")] + \
                [("eos_token_ids", ctypes.c_int64 * 8), ("target_provider", ctypes.c_char * 64),
                 ("draft_provider", ctypes.c_char * 64), ("target_kernels", ctypes.c_char * 16),
-                ("draft_kernels", ctypes.c_char * 16)]
+                ("draft_kernels", ctypes.c_char * 16), ("target_threads", ctypes.c_int32),
+                ("draft_threads", ctypes.c_int32)]
 
 
 TOKEN_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p)
@@ -142,7 +146,7 @@ def load_library(path: Path | str) -> ctypes.CDLL:
                "mirrorsd_model_get_info": (status, [ptr, ctypes.POINTER(ModelInfo)]),
                "mirrorsd_generate": (status, [ptr, p_i64, i32, ctypes.POINTER(GenerateConfig), TOKEN_CALLBACK, ptr,
                                               ctypes.POINTER(Stats)]),
-               "mirrorsd_close": (None, [ptr])}
+               "mirrorsd_close": (status, [ptr])}
     for name, (restype, argtypes) in declare.items():
         function = getattr(lib, name)
         function.restype, function.argtypes = restype, argtypes
@@ -201,6 +205,7 @@ class NativeModel:
         raise_for(self.lib, self.lib.mirrorsd_model_get_info(self.handle, ctypes.byref(info)))
         self.info = {name: getattr(info, name) for name, _ in ModelInfo._fields_[2:8]}
         self.info["eos_token_ids"] = list(info.eos_token_ids[:info.eos_count])
+        self.threads = {"target": info.target_threads, "draft": info.draft_threads}
         self.placement = {"target": info.target_provider.decode(), "draft": info.draft_provider.decode()}
         self.kernels = {"target": info.target_kernels.decode(), "draft": info.draft_kernels.decode()}
         self.folder = Path(folder)
@@ -224,24 +229,34 @@ class NativeModel:
                 f"kernels_library), whose one-row path differs from its several-row path on this CPU (by "
                 f"{difference:.1e} per layer), so verification windows drift from one-row decoding")
 
-    def generate(self, ids: list[int], mode: str = G.mode, max_new_tokens: int = G.max_new_tokens,
-                 gamma: int = G.gamma, branches: int = G.branches, branch_batch: int = G.branch_batch,
-                 runner_up_k: int = G.runner_up_k, branch_budget: str = G.branch_budget, exit_head: bool = G.exit_head,
-                 fallback_on_draft_failure: bool = G.on_draft_failure == "fallback",
-                 draft_timeout_s: float = G.draft_timeout_s) -> NativeResult:
-        """Decode ``ids`` with the C++ decoders; the settings and their defaults are GenerationConfig's."""
+    def generate(self, ids: list[int], **settings) -> NativeResult:
+        """Decode ``ids`` with the C++ decoders. ``settings``: GenerationConfig's fields that the library has (its
+        mirrorsd_generate_config: mode ar|sd|mirror, max_new_tokens, gamma, branches, branch_batch, runner_up_k,
+        branch_budget, exit_head, on_draft_failure, draft_timeout_s); the ones left out keep the library's own
+        defaults (mirrorsd_generate_config_init: GenerationConfig's, with mode mirror for auto)."""
         if self.handle is None:
             raise NativeLibraryError("The native model is closed", "close() was called", "open it again")
+        config = GenerateConfig()
+        self.lib.mirrorsd_generate_config_init(ctypes.byref(config))
+        choices = {"mode": MODES, "branch_budget": BUDGETS, "on_draft_failure": DRAFT_FAILURES}
+        known = {name for name, _ in GenerateConfig._fields_[1:]}
+        for name, value in settings.items():
+            if name not in known:
+                raise GenerationInputError(f"libmirrorsd has no setting {name!r}", f"it has {', '.join(sorted(known))}",
+                                           "leave it out (tests/test_native_settings.py lists what C lacks)")
+            if name in choices and value not in choices[name]:
+                raise GenerationInputError(f"{name} {value!r} is not one libmirrorsd has",
+                                           f"it has {', '.join(choices[name])}", "pick one")
+            value = choices[name][value] if name in choices else value
+            if isinstance(value, int) and name != "draft_timeout_s" and not -2**31 <= value < 2**31:
+                raise GenerationInputError(f"{name} {value} does not fit the C ABI's 32-bit field",
+                                           "libmirrorsd's settings are int32", f"pass {name} below 2**31")
+            setattr(config, name, value)
+        mode = C_MODES[config.mode] if 0 <= config.mode < len(C_MODES) else str(config.mode)
         if mode != "ar" and (why := self.inexact_windows()):
             raise GenerationInputError(f"mode {mode} would not reproduce target-only decoding here", why,
                                        "open with kernels='mirrorsd' or 'auto' (mirrorsd's kernels need a C++ "
                                        "compiler), or use mode ar")
-        config = GenerateConfig()
-        self.lib.mirrorsd_generate_config_init(ctypes.byref(config))
-        config.mode, config.max_new_tokens, config.gamma = MODES[mode], max_new_tokens, gamma
-        config.branches, config.branch_batch, config.runner_up_k = branches, branch_batch, runner_up_k
-        config.branch_budget, config.exit_head = BUDGETS[branch_budget], int(exit_head)
-        config.fallback_on_draft_failure, config.draft_timeout_s = int(fallback_on_draft_failure), draft_timeout_s
         tokens: list[int] = []
         callback = TOKEN_CALLBACK(lambda token, _: tokens.append(token) or 0)
         prompt = (ctypes.c_int64 * len(ids))(*ids)
@@ -262,7 +277,7 @@ class NativeModel:
 
     def close(self) -> None:
         if self.handle is not None:
-            self.lib.mirrorsd_close(self.handle)
+            raise_for(self.lib, self.lib.mirrorsd_close(self.handle))
             self.handle = None
 
     def __enter__(self) -> "NativeModel":

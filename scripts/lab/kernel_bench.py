@@ -1,12 +1,14 @@
 """MatMulNBits speed by rows M: ONNX Runtime (accuracy level 4 and 1) vs mirrorsd's kernel, on a chain of layers
 whose weights exceed the L3 cache, so every call streams them from memory (a decode step in miniature).
 
-    /work/bin/quiet python scripts/lab/kernel_bench.py [--hidden 1536 --inner 1536 --layers 40] [--bits 4] [--threads 1,2]
-                                                   [--spinning]
+    /work/bin/quiet python scripts/lab/kernel_bench.py [--hidden 1536 --inner 1536 --layers 40] [--bits 4]
+                                                       [--threads 1,2] [--spinning] [--paths amx,avx512vnni,avx2]
 
 Prints one markdown table: per thread count and kernel, ms per chain call for M = 1..8, the bytes read per call
 (weights + scales) / time for M = 1 as GB/s and as a fraction of the copy bandwidth measured in the same run
-(mirrorsd.apps.bandwidth), and each M's cost in one-row steps (ms(M) / ms(1)). The weights are random bytes: speed does
+(mirrorsd.apps.bandwidth), and each M's cost in one-row steps (ms(M) / ms(1)). --paths adds a row per
+instruction-set path of mirrorsd's kernel (MIRRORSD_KERNELS_ISA, read when a session creates its kernels). The
+weights are random bytes: speed does
 not depend on their values. Needs onnx (to write the graph).
 """
 from __future__ import annotations
@@ -46,7 +48,9 @@ def chain_model(dims: list[int], bits: int, domain: str, level: int, seed: int =
     return model.SerializeToString(), read
 
 
-def session(model: bytes, threads: int, ours: bool, spinning: bool):
+def session(model: bytes, threads: int, ours: bool, spinning: bool, path: str | None = None):
+    import os
+
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -57,7 +61,15 @@ def session(model: bytes, threads: int, ours: bool, spinning: bool):
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     if ours:
         kernels.register(opts)
-    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+    saved = os.environ.pop(kernels.ISA_ENV, None)
+    if path:
+        os.environ[kernels.ISA_ENV] = path
+    try:
+        return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+    finally:
+        os.environ.pop(kernels.ISA_ENV, None)
+        if saved is not None:
+            os.environ[kernels.ISA_ENV] = saved
 
 
 def time_rows(sess, inputs: dict[int, np.ndarray], repeats: int) -> dict[int, float]:
@@ -89,6 +101,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"any of {', '.join(KERNELS)}")
     parser.add_argument("--spinning", action="store_true", help="let ONNX Runtime's worker threads spin")
+    parser.add_argument("--paths", default="", help="also time these paths of mirrorsd's kernel, one row each "
+                                                    "(e.g. amx,avx512vnni,avx2,scalar)")
     args = parser.parse_args()
     dims = [args.hidden if i % 2 == 0 else args.inner for i in range(args.layers + 1)]
     rows = [int(m) for m in args.rows.split(",")]
@@ -99,10 +113,12 @@ def main() -> None:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for threads in (int(t) for t in args.threads.split(",")):
         bandwidth = copy_bandwidth(threads)
-        for name in args.kernels.split(","):
-            domain, level = KERNELS[name]
+        runs = [(name, None) for name in args.kernels.split(",") if name]
+        runs += [(f"mirrorsd/{path}", path) for path in args.paths.split(",") if path]
+        for name, path in runs:
+            domain, level = KERNELS[name.split("/")[0]]
             model, read = chain_model(dims, args.bits, domain, level)
-            sess = session(model, threads, domain == kernels.DOMAIN, args.spinning)
+            sess = session(model, threads, domain == kernels.DOMAIN, args.spinning, path)
             rng = np.random.default_rng(1)
             ms = time_rows(sess, {m: rng.standard_normal((m, args.hidden)).astype(np.float32) for m in rows},
                            args.repeats)

@@ -19,6 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from catalogue import Workspace, execute  # noqa: E402
 from catalogue_cases import CASES  # noqa: E402
+from catalogue_native import CASES as NATIVE_CASES  # noqa: E402
+
+CASES = CASES + NATIVE_CASES
 from catalogue_fixtures import build_fixtures  # noqa: E402
 
 

@@ -6,15 +6,21 @@
 Prefills random token ids up to each context length (growing one cache), then times a forward of W new tokens at
 that length (median of --repeats; the cache is truncated back after each), for every W. Prints ms per forward, the
 cost of W rows in one-row steps (the verification cost of a window of gamma + 1 = W), and the KV bytes a step reads.
+Then the bandwidth ceiling of one step (the target's weight bytes / the copy bandwidth measured now, with --threads
+threads: mirrorsd.apps.bandwidth) and each context's one-row step as a fraction of it (ceiling ms / W=1 ms). The kernel
+path is the one the library picks, or the one MIRRORSD_KERNELS_ISA names.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
 import time
 
 import numpy as np
 
+from mirrorsd.apps.bandwidth import copy_bandwidth, target_weight_bytes
 from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import Pipeline
 from mirrorsd.runtime.models import TargetModel
@@ -47,6 +53,9 @@ def main() -> None:
         kv_per_slot = info.num_layers * 2 * info.num_kv_heads * info.head_dim * 4  # keys + values, float32
         ids = rng.integers(100, min(info.vocab_size, 30000), size=max(contexts) + max(widths)).tolist()
         target.reset(1, max(contexts) + max(widths) + 8)
+        path = os.environ.get("MIRRORSD_KERNELS_ISA") or _picked_path()
+        print(f"CPU: {_cpu_name()}; {args.threads} thread(s); --kernels {args.kernels} (mirrorsd path: {path})")
+        one_row = {}
         print(f"| context | {' | '.join(f'W={w} ms' for w in widths)} | "
               f"{' | '.join(f'W={w}/W=1' for w in widths[1:])} | KV read per step |")
         print("|---" * (2 * len(widths) + 1) + "|")
@@ -58,6 +67,32 @@ def main() -> None:
             ratios = " | ".join(f"{ms[w] / ms[widths[0]]:.2f}" for w in widths[1:])
             print(f"| {context} | {' | '.join(f'{ms[w]:.1f}' for w in widths)} | {ratios} | "
                   f"{kv_per_slot * context / 1e6:.0f} MB |", flush=True)
+            one_row[context] = ms[widths[0]]
+        weights = target_weight_bytes(args.folder, pipe.manifest)
+    bandwidth = copy_bandwidth(args.threads)
+    ceiling_ms = weights / (bandwidth * 1e9) * 1e3
+    print(f"ceiling: {weights / 1e9:.2f} GB of weights per step / {bandwidth:.1f} GB/s copy bandwidth "
+          f"({args.threads} thread(s)) = {ceiling_ms:.1f} ms per step")
+    print("; ".join(f"context {c}: W={widths[0]} step at {ceiling_ms / ms:.2f} of the ceiling"
+                    for c, ms in one_row.items()))
+
+
+def _picked_path() -> str:
+    from mirrorsd.errors import KernelsUnavailableError
+    from mirrorsd.devices import kernels
+
+    try:
+        return kernels.usable_library().fast_path or "none"
+    except KernelsUnavailableError:
+        return "none"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "?")
+    except OSError:
+        return platform.processor() or "?"
 
 
 def _median_ms(target, window: list[int], repeats: int) -> float:

@@ -15,8 +15,8 @@ constexpr uint32_t kOrtApiVersion = 17;
 // Inputs of com.microsoft::MatMulNBits, in order.
 enum Input : size_t { kA = 0, kB = 1, kScales = 2, kZeroPoints = 3, kGroupIndex = 4, kBias = 5, kInputCount = 6 };
 
-// The path for this process: the best one the CPU runs, or the one MIRRORSD_KERNELS_ISA names ("avx512vnni",
-// "avx2", "scalar"). Returns null and says why when the requested path cannot run here.
+// The path for this process: the best one the CPU runs, or the one MIRRORSD_KERNELS_ISA names ("amx",
+// "avx512vnni", "avx2", "scalar"). Returns null and says why when the requested path cannot run here.
 const Path* select_path(std::string& why);
 
 struct FreeDeleter {

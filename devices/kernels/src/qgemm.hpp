@@ -66,6 +66,8 @@ const Path& scalar_path();
 #if defined(__x86_64__) || defined(_M_X64)
 const Path& avx2_path();
 const Path& avx512_path();
+const Path& amx_path();  // the AVX-512 path's layout and numbers, multiplied by AMX tiles
+bool amx_ready();        // Linux granted this process the AMX tile state (asked once)
 #endif
 
 // Packed layout shared by the SIMD paths, for a group of W columns (W = 16 for AVX-512, 8 for AVX2):

@@ -1,22 +1,24 @@
 // The C ABI of mirrorsd.h: argument checks, error codes and per-thread error text around the C++ engine. No C++
-// exception ever crosses this boundary.
+// exception ever crosses this boundary. Handles are looked up in a registry (handles.hpp), so a closed, foreign or
+// re-entered handle is an error code, not a crash or a deadlock.
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <new>
 #include <string>
 #include <thread>
 
+#include "devices.hpp"
 #include "engine.hpp"
 #include "errors.hpp"
+#include "handles.hpp"
 #include "mirrorsd.h"
+#include "settings.hpp"
 #include "stats.hpp"
 
-struct mirrorsd_model {
-  explicit mirrorsd_model(std::unique_ptr<mirrorsd::Engine> e) : engine(std::move(e)) {}
-  std::unique_ptr<mirrorsd::Engine> engine;
-};
+static_assert(MIRRORSD_DRAFT_TIMEOUT_NEVER_S == mirrorsd::settings::kDraftTimeoutNeverS, "mirrorsd.h and settings");
 
 namespace {
 
@@ -59,10 +61,19 @@ void check_size(uint32_t given, size_t expected, const char* type) {
 // ABI 1's sizes of the structs ABI 2 grew at their end: a caller built against ABI 1 keeps working.
 constexpr size_t kOpenOptionsV1 = offsetof(mirrorsd_open_options, kernels_library);
 constexpr size_t kModelInfoV1 = offsetof(mirrorsd_model_info, target_kernels);
+constexpr size_t kModelInfoV2 = offsetof(mirrorsd_model_info, target_threads);  // ABI 3 appended the threads
 
-void check_size(uint32_t given, size_t expected, size_t older, const char* type) {
-  if (given != older) check_size(given, expected, type);
+void check_size(uint32_t given, size_t expected, size_t older, const char* type, size_t old = 0) {
+  if (given != older && (old == 0 || given != old)) check_size(given, expected, type);
 }
+
+// The C ABI's enum values are settings.hpp's (generated from runtime/config.py's tuples).
+static_assert(MIRRORSD_MODE_AR == int(mirrorsd::Mode::Ar) && MIRRORSD_MODE_SD == int(mirrorsd::Mode::Sd) &&
+              MIRRORSD_MODE_MIRROR == int(mirrorsd::Mode::Mirror), "modes");
+static_assert(MIRRORSD_BUDGET_TIME == int(mirrorsd::settings::BranchBudget::Time) &&
+              MIRRORSD_BUDGET_CAP == int(mirrorsd::settings::BranchBudget::Cap), "branch budgets");
+static_assert(MIRRORSD_DRAFT_FAILURE_RAISE == int(mirrorsd::settings::OnDraftFailure::Raise) &&
+              MIRRORSD_DRAFT_FAILURE_FALLBACK == int(mirrorsd::settings::OnDraftFailure::Fallback), "draft failure");
 
 std::string kernels_library(const char* path) {
   if (path == nullptr || *path == '\0') return "";
@@ -76,10 +87,23 @@ std::string kernels_library(const char* path) {
   return path;
 }
 
+// 0 = the default; else 1..cores, as runtime/limits.py's check_threads (more only queue on the same cores, and a
+// million of them never finish starting).
 int threads_or_default(int32_t threads, const char* name) {
-  if (threads < 0) invalid(std::string(name) + " is negative", "it counts threads", "pass 0 (cores / 2) or more");
-  if (threads > 0) return threads;
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency() / 2));  // as default_threads(2)
+  const int cores = mirrorsd::cores();
+  if (threads == 0) return mirrorsd::default_threads();
+  if (threads < 0 || threads > cores)
+    invalid(std::string(name) + " " + std::to_string(threads) + " is out of range",
+            "this machine gives the process " + std::to_string(cores) + " cores; more threads only queue",
+            "pass 1.." + std::to_string(cores) + ", or 0 (every core)");
+  return threads;
+}
+
+bool flag(int32_t value, const char* name) {
+  if (value != 0 && value != 1)
+    invalid(std::string(name) + " must be 0 or 1, got " + std::to_string(value), "it is a yes/no setting",
+            "pass 0 or 1");
+  return value == 1;
 }
 
 mirrorsd::GenerationConfig engine_config(const mirrorsd_generate_config* c) {
@@ -91,21 +115,32 @@ mirrorsd::GenerationConfig engine_config(const mirrorsd_generate_config* c) {
                                                     {"branches", c->branches}, {"branch_batch", c->branch_batch},
                                                     {"runner_up_k", c->runner_up_k}};
   for (const auto& [name, value] : counts)
-    if (value < 1)
+    if (value < mirrorsd::settings::kCountMin)
       invalid(std::string(name) + " must be a positive integer, got " + std::to_string(value),
               "it counts tokens or branches", std::string("pass ") + name + " >= 1");
   if (c->branch_budget != MIRRORSD_BUDGET_TIME && c->branch_budget != MIRRORSD_BUDGET_CAP)
     invalid("Unknown branch_budget " + std::to_string(c->branch_budget), "it is 0 (time) or 1 (cap)", "pick one");
-  if (!(c->draft_timeout_s > 0) || !std::isfinite(c->draft_timeout_s))  // NaN fails too
-    invalid("draft_timeout_s must be a positive number of seconds", "it bounds each wait for the draft worker",
-            "pass a value such as 120");
+  if (!(c->draft_timeout_s > 0)) {  // NaN fails too; infinity and anything from the "never" bound up: no limit
+    char got[64];
+    std::snprintf(got, sizeof got, "%g", c->draft_timeout_s);
+    invalid(std::string("draft_timeout_s must be a positive number of seconds, got ") + got,
+            "it bounds each wait for the draft worker",
+            "pass a value such as 120, or 1e9 (MIRRORSD_DRAFT_TIMEOUT_NEVER_S) or more for no limit");
+  }
   mirrorsd::GenerationConfig out;
   out.mode = static_cast<mirrorsd::Mode>(c->mode);
   out.max_new_tokens = c->max_new_tokens;
   out.gamma = c->gamma;
-  out.fallback_on_draft_failure = c->fallback_on_draft_failure != 0;
-  out.mirror = mirrorsd::MirrorSettings{c->branches, c->branch_batch, c->runner_up_k, c->draft_timeout_s,
-                                        c->branch_budget == MIRRORSD_BUDGET_CAP, c->exit_head != 0};
+  if (c->on_draft_failure != MIRRORSD_DRAFT_FAILURE_RAISE && c->on_draft_failure != MIRRORSD_DRAFT_FAILURE_FALLBACK)
+    invalid("Unknown on_draft_failure " + std::to_string(c->on_draft_failure), "it is 0 (raise) or 1 (fallback)",
+            "pick one");
+  out.on_draft_failure = static_cast<mirrorsd::settings::OnDraftFailure>(c->on_draft_failure);
+  out.mirror.branches = c->branches;
+  out.mirror.branch_batch = c->branch_batch;
+  out.mirror.runner_up_k = c->runner_up_k;
+  out.mirror.branch_budget = static_cast<mirrorsd::settings::BranchBudget>(c->branch_budget);
+  out.mirror.exit_head = flag(c->exit_head, "exit_head");
+  out.mirror.draft_timeout_s = c->draft_timeout_s;
   return out;
 }
 
@@ -156,13 +191,15 @@ void fill_info(mirrorsd_model_info& info, const mirrorsd::Engine& engine) {
   copy_text(info.draft_provider, sizeof info.draft_provider, engine.draft_provider());
   copy_text(info.target_kernels, sizeof info.target_kernels, engine.target_kernels());
   copy_text(info.draft_kernels, sizeof info.draft_kernels, engine.draft_kernels());
+  info.target_threads = engine.target_threads();
+  info.draft_threads = engine.draft_threads();
 }
 
 }  // namespace
 
 extern "C" {
 
-const char* mirrorsd_version(void) { return "mirrorsd 0.1.0 (C ABI 2)"; }
+const char* mirrorsd_version(void) { return "mirrorsd 0.1.0 (C ABI 3)"; }
 
 const char* mirrorsd_last_error(void) { return last_error.c_str(); }
 
@@ -176,15 +213,17 @@ void mirrorsd_generate_config_init(mirrorsd_generate_config* config) {
   if (config == nullptr) return;
   *config = mirrorsd_generate_config{};
   config->struct_size = sizeof(mirrorsd_generate_config);
-  config->mode = MIRRORSD_MODE_MIRROR;  // the defaults of GenerationConfig in runtime/pipeline.py
-  config->max_new_tokens = 128;
-  config->gamma = 4;
-  config->branches = 4;
-  config->branch_batch = 2;
-  config->runner_up_k = 4;
-  config->branch_budget = MIRRORSD_BUDGET_TIME;
-  config->exit_head = 1;
-  config->draft_timeout_s = 120.0;
+  namespace s = mirrorsd::settings;  // runtime/config.py's GenerationConfig() (mode: no auto here)
+  config->mode = static_cast<int32_t>(s::kMode);
+  config->max_new_tokens = s::kMaxNewTokens;
+  config->gamma = s::kGamma;
+  config->branches = s::kBranches;
+  config->branch_batch = s::kBranchBatch;
+  config->runner_up_k = s::kRunnerUpK;
+  config->branch_budget = static_cast<int32_t>(s::kBranchBudget);
+  config->exit_head = s::kExitHead ? 1 : 0;
+  config->on_draft_failure = static_cast<int32_t>(s::kOnDraftFailure);
+  config->draft_timeout_s = s::kDraftTimeoutS;
 }
 
 mirrorsd_status mirrorsd_open(const char* folder, const mirrorsd_open_options* options, mirrorsd_model** model) {
@@ -205,17 +244,18 @@ mirrorsd_status mirrorsd_open(const char* folder, const mirrorsd_open_options* o
                                          threads_or_default(o.target_threads, "target_threads"), library, kernels};
     const mirrorsd::DeviceRequest draft{o.draft_device ? o.draft_device : "auto",
                                         threads_or_default(o.draft_threads, "draft_threads"), library, kernels};
-    *model = new mirrorsd_model(std::make_unique<mirrorsd::Engine>(folder, target, draft));
+    *model = mirrorsd::handles().add(std::make_unique<mirrorsd::Engine>(folder, target, draft));
   });
 }
 
 mirrorsd_status mirrorsd_model_get_info(const mirrorsd_model* model, mirrorsd_model_info* info) {
   return guarded([&] {
-    if (model == nullptr || info == nullptr) invalid("model or info is NULL", "both are needed", "pass them");
+    if (info == nullptr) invalid("info is NULL", "the model's description is written into it", "pass &info");
+    const std::shared_ptr<mirrorsd::OpenModel> open = mirrorsd::handles().find(model, "mirrorsd_model_get_info");
     const uint32_t size = info->struct_size;
-    check_size(size, sizeof(mirrorsd_model_info), kModelInfoV1, "mirrorsd_model_info");
+    check_size(size, sizeof(mirrorsd_model_info), kModelInfoV1, "mirrorsd_model_info", kModelInfoV2);
     mirrorsd_model_info full{};
-    fill_info(full, *model->engine);
+    fill_info(full, *open->engine);
     full.struct_size = size;
     std::memcpy(info, &full, size);  // an ABI 1 caller gets the fields its struct has
   });
@@ -225,7 +265,7 @@ mirrorsd_status mirrorsd_generate(mirrorsd_model* model, const int64_t* prompt, 
                                   const mirrorsd_generate_config* config, mirrorsd_token_callback on_token,
                                   void* user_data, mirrorsd_stats* stats) {
   return guarded([&] {
-    if (model == nullptr) invalid("model is NULL", "generation needs an opened model", "call mirrorsd_open first");
+    mirrorsd::Generating call(model);  // an open handle, not re-entered from its own callback
     if (prompt == nullptr && prompt_length != 0)
       invalid("prompt is NULL", "it holds the prompt's token ids", "pass an array of prompt_length ids");
     if (prompt_length < 0) invalid("prompt_length is negative", "it counts the prompt's ids", "pass the count");
@@ -235,14 +275,15 @@ mirrorsd_status mirrorsd_generate(mirrorsd_model* model, const int64_t* prompt, 
     if (stats != nullptr) check_size(stats->struct_size, sizeof(mirrorsd_stats), "mirrorsd_stats");
     const std::vector<int64_t> ids(prompt, prompt + prompt_length);
     const mirrorsd::Emit emit = [&](int64_t token) { return on_token(token, user_data) == 0; };
-    const mirrorsd::Generation result = model->engine->generate(ids, engine, emit);
+    const mirrorsd::Generation result = call.run([&](mirrorsd::Engine& e) { return e.generate(ids, engine, emit); });
     if (stats != nullptr) fill_stats(stats, config->mode, prompt_length, result);
   });
 }
 
-void mirrorsd_close(mirrorsd_model* model) {
-  last_error.clear();
-  delete model;
+mirrorsd_status mirrorsd_close(mirrorsd_model* model) {
+  return guarded([&] {
+    if (model != nullptr) mirrorsd::handles().close(model);
+  });
 }
 
 }  // extern "C"

@@ -54,7 +54,7 @@ Proposal propose(Proposer*& proposer, Proposer& target_only, const std::vector<i
   try {
     return proposer->propose(committed, gamma);
   } catch (const Error& e) {
-    if (e.code() != Code::DraftWorker || !settings.fallback_on_draft_failure) throw;
+    if (e.code() != Code::DraftWorker || settings.on_draft_failure != settings::OnDraftFailure::Fallback) throw;
     ++counters.draft_failures;
     try {
       proposer->finish(1.0);

@@ -14,6 +14,7 @@
 
 #include "models.hpp"
 #include "proposers.hpp"
+#include "settings.hpp"
 #include "stats.hpp"
 
 namespace mirrorsd {
@@ -25,7 +26,8 @@ struct DecodeSettings {
   std::vector<int64_t> eos_token_ids;
   int64_t context_limit = 0;
   int gamma = 0;
-  bool fallback_on_draft_failure = false;  // continue target-only when the draft fails (counted in statistics)
+  settings::OnDraftFailure on_draft_failure = settings::kOnDraftFailure;  // Fallback: continue target-only when the
+                                                                          // draft fails (counted in statistics)
 };
 
 struct DecodeOutcome {

@@ -3,6 +3,11 @@
 #include <algorithm>
 #include <cctype>
 #include <mutex>
+#include <thread>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 namespace mirrorsd {
 namespace {
@@ -98,6 +103,18 @@ std::string append_openvino(OrtSessionOptions* options, Environment& env, const 
 }
 
 }  // namespace
+
+int cores() {
+#if defined(__linux__)
+  cpu_set_t mask;
+  if (sched_getaffinity(0, sizeof mask, &mask) == 0) return std::max(1, CPU_COUNT(&mask));
+#endif
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+// Every core for each session, as devices/backends.py's default_threads (os.cpu_count()): ar and sd run one session
+// at a time, and Mirror-SD's two sessions share the cores with spinning off (docs/performance.md).
+int default_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
 
 std::vector<std::string> available_providers() {
   char** names = nullptr;

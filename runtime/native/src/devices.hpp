@@ -18,6 +18,9 @@ namespace mirrorsd {
 
 std::vector<std::string> available_providers();  // what the linked ONNX Runtime build offers
 
+int cores();            // the cores this process may run on (its affinity), as runtime/limits.py's cores()
+int default_threads();  // intra-op threads per session when the caller passes 0: every core
+
 // "auto" -> the first usable entry of the model's chain; other strings are returned as they are.
 std::string resolve_device(const std::string& device, const std::string& model);
 

@@ -12,16 +12,18 @@
 #include "mirror.hpp"
 #include "models.hpp"
 #include "ort.hpp"
+#include "settings.hpp"
 
 namespace mirrorsd {
 
-enum class Mode { Ar = 0, Sd = 1, Mirror = 2 };
+using Mode = settings::Mode;
 
+// runtime/config.py's GenerationConfig, the part libmirrorsd implements (names and defaults: settings.hpp).
 struct GenerationConfig {
-  Mode mode = Mode::Mirror;
-  int64_t max_new_tokens = 128;
-  int gamma = 4;
-  bool fallback_on_draft_failure = false;
+  Mode mode = settings::kMode;
+  int64_t max_new_tokens = settings::kMaxNewTokens;
+  int gamma = settings::kGamma;
+  settings::OnDraftFailure on_draft_failure = settings::kOnDraftFailure;
   MirrorSettings mirror;
 };
 
@@ -41,12 +43,15 @@ class Engine {
   // "mirrorsd" when any of the model's sessions runs the kernels library's MatMulNBits, else "ort"
   const std::string& target_kernels() const { return target_kernels_; }
   const std::string& draft_kernels() const { return draft_kernels_; }
+  int target_threads() const { return target_threads_; }
+  int draft_threads() const { return draft_threads_; }
 
   // Checks the prompt against the vocabulary and the context, then decodes; one generation at a time.
   Generation generate(const std::vector<int64_t>& prompt, const GenerationConfig& config, const Emit& emit);
 
  private:
   Proposer& proposer(const GenerationConfig& config);
+  void check_request(const GenerationConfig& config, int64_t prompt_tokens) const;
 
   std::shared_ptr<Environment> env_;
   Manifest manifest_;
@@ -59,6 +64,7 @@ class Engine {
   MirrorSettings mirror_settings_;
   std::string target_provider_, draft_provider_;
   std::string target_kernels_ = "ort", draft_kernels_ = "ort";
+  int target_threads_ = 0, draft_threads_ = 0;
   std::mutex lock_;
 };
 

@@ -15,6 +15,7 @@ enum class Code {
   Runtime = 5,
   DraftWorker = 6,
   Internal = 7,
+  Busy = 8,
 };
 
 inline std::string compose(const std::string& what, const std::string& why, const std::string& fix) {

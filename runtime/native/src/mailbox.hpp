@@ -8,6 +8,8 @@
 #include <mutex>
 #include <optional>
 
+#include "settings.hpp"
+
 namespace mirrorsd {
 
 template <typename T>
@@ -27,7 +29,10 @@ class Mailbox {
     return take();
   }
 
+  // Waits at most `seconds`; from settings::kDraftTimeoutNeverS up (or infinity) without a limit (a longer wait
+  // would overflow the clock's duration).
   std::optional<T> get_for(double seconds) {
+    if (!(seconds < settings::kDraftTimeoutNeverS)) return get();
     std::unique_lock<std::mutex> guard(lock_);
     if (!ready_.wait_for(guard, std::chrono::duration<double>(seconds), [this] { return !items_.empty(); }))
       return std::nullopt;

@@ -150,10 +150,17 @@ json::Value parse_file(const fs::path& folder) {
                 "an export folder holds mirrorsd.json and ONNX graphs", "pass the --output folder of mirrorsd-export");
   const fs::path path = folder / kManifestFile;
   std::ifstream in(path, std::ios::binary);
-  if (!fs::is_regular_file(path, ec) || !in)
+  if (!fs::is_regular_file(path, ec) || !in) {
+    const std::string name = (folder.filename().empty() ? folder.parent_path() : folder).filename().string();
+    if (fs::is_regular_file(folder / "config.json", ec))  // a model folder: export it into a new folder
+      throw Error(Code::Manifest, "'" + folder.string() + "' has no " + kManifestFile,
+                  "it is a Hugging Face model folder, not an export",
+                  "export it first: mirrorsd-export --model " + folder.string() + " --output exports/" + name +
+                      ", then open exports/" + name);
     throw Error(Code::Manifest, "'" + folder.string() + "' has no " + kManifestFile,
                 "it is not a mirrorsd export folder",
-                "export a model first: mirrorsd-export --model MODEL --output " + folder.string());
+                "pass an export folder (mirrorsd-export --model MODEL --output NEW_FOLDER writes one)");
+  }
   std::stringstream buffer;
   buffer << in.rdbuf();
   try {

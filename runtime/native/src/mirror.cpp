@@ -38,10 +38,10 @@ Proposal MirrorProposer::propose(const std::vector<int64_t>& committed, int gamm
   if (!worker_) fail("The draft worker is not running", "generation was not started", "");
   if (!awaiting_window_) worker_->inbox.put(ProposeMsg{committed, gamma});
   awaiting_window_ = false;
-  std::optional<Reply> reply = worker_->outbox.get_for(settings_.timeout_s);
+  std::optional<Reply> reply = worker_->outbox.get_for(settings_.draft_timeout_s);
   if (!reply)
     fail("The draft worker did not deliver a window",
-         "no answer within " + std::to_string(static_cast<int64_t>(settings_.timeout_s)) +
+         "no answer within " + std::to_string(static_cast<int64_t>(settings_.draft_timeout_s)) +
              " s (a hung draft device?)",
          "check the draft device, or raise draft_timeout_s");
   if (reply->failed)
@@ -54,7 +54,7 @@ Proposal MirrorProposer::propose(const std::vector<int64_t>& committed, int gamm
 }
 
 const ExitCallback* MirrorProposer::exit_callback() {
-  return active_ && settings_.use_exit_head ? &exit_callback_ : nullptr;
+  return active_ && settings_.exit_head ? &exit_callback_ : nullptr;
 }
 
 void MirrorProposer::observe(const Verdict& verdict, const std::vector<int64_t>& new_tokens, int next_gamma) {
@@ -69,7 +69,7 @@ void MirrorProposer::finish(double timeout_s) {
   if (!worker_) return;
   std::unique_ptr<DraftWorker> worker = std::move(worker_);
   worker->inbox.put(StopMsg{});
-  if (!worker->wait_exit(timeout_s < 0 ? settings_.timeout_s : timeout_s)) {
+  if (!worker->wait_exit(timeout_s < 0 ? settings_.draft_timeout_s : timeout_s)) {
     stuck_ = std::move(worker);  // it exits when its call returns (it finds Stop); until then it owns the draft
     throw Error(Code::DraftWorker, "The draft worker did not stop", "a draft graph call is still running",
                 "the draft device may be hung; close the model to wait for it");
@@ -81,7 +81,7 @@ void MirrorProposer::finish(double timeout_s) {
 // No second worker may touch the draft model while a stuck one may still write to its caches.
 void MirrorProposer::wait_for_stuck() {
   if (!stuck_) return;
-  if (!stuck_->wait_exit(settings_.timeout_s))
+  if (!stuck_->wait_exit(settings_.draft_timeout_s))
     throw Error(Code::DraftWorker, "The previous draft worker is still inside a draft call",
                 "a new worker would share the draft model with it",
                 "the draft device may be hung: retry later, use mode ar, or close the model");

@@ -33,6 +33,10 @@ void DraftWorker::join() {
 
 bool DraftWorker::wait_exit(double seconds) {
   std::unique_lock<std::mutex> guard(exit_lock_);
+  if (!(seconds < settings::kDraftTimeoutNeverS)) {  // no limit (see Mailbox::get_for)
+    exited_cv_.wait(guard, [this] { return exited_; });
+    return true;
+  }
   return exited_cv_.wait_for(guard, std::chrono::duration<double>(seconds), [this] { return exited_; });
 }
 
@@ -78,7 +82,7 @@ Message DraftWorker::serve(Message message) {
 
 DraftWorker::Window DraftWorker::fresh(int gamma) {
   const int64_t k = settings_.runner_up_k;
-  Rollout rollout = draft_rollout(draft_, committed_, gamma, k);
+  rollout::Rollout rollout = rollout::fresh(draft_, committed_, gamma, k);
   forwards_since_verdict_ += rollout.forwards;
   Window window{std::move(rollout.tokens), std::move(rollout.top_ids), std::move(rollout.top_logprobs),
                 static_cast<int64_t>(committed_.size())};
@@ -103,18 +107,16 @@ DraftWorker::Window DraftWorker::next_window(const Window& window, const Verdict
   if (hit != ready_.end()) ready = std::move(hit->second);
   ready_.clear();
   const size_t g = static_cast<size_t>(message.gamma);
-  if (ready && ready->tokens.size() >= g) {
+  if (ready && ready->rolled->tokens[ready->row].size() >= g) {
     const int64_t k = settings_.runner_up_k;
     const int64_t keep = window.base_length + verdict.accepted;  // committed + accepted window tokens
-    draft_.cache().adopt_slots(*ready->cache, ready->row, std::vector<int64_t>(ready->slots.begin(),
-                                                                               ready->slots.begin() + g), keep);
-    std::vector<int64_t>& cached = draft_.cache_tokens();
-    cached.resize(static_cast<size_t>(keep));
-    cached.push_back(verdict.correction);
-    cached.insert(cached.end(), ready->tokens.begin(), ready->tokens.begin() + (g - 1));
-    Window next{std::vector<int64_t>(ready->tokens.begin(), ready->tokens.begin() + g),
-                std::vector<int64_t>(ready->top_ids.begin(), ready->top_ids.begin() + g * k),
-                std::vector<float>(ready->top_logprobs.begin(), ready->top_logprobs.begin() + g * k),
+    rollout::adopt(draft_, *ready->rolled, ready->row, keep, verdict.correction, g);
+    const std::vector<int64_t>& tokens = ready->rolled->tokens[ready->row];
+    const std::vector<int64_t>& top_ids = ready->rolled->top_ids[ready->row];
+    const std::vector<float>& top_logprobs = ready->rolled->top_logprobs[ready->row];
+    Window next{std::vector<int64_t>(tokens.begin(), tokens.begin() + g),
+                std::vector<int64_t>(top_ids.begin(), top_ids.begin() + g * k),
+                std::vector<float>(top_logprobs.begin(), top_logprobs.begin() + g * k),
                 static_cast<int64_t>(committed_.size())};
     pad_row(next.top_ids, next.top_logprobs, k);
     reused = true;
@@ -127,7 +129,7 @@ DraftWorker::Window DraftWorker::next_window(const Window& window, const Verdict
 // Roll out branches of `window` until a verdict (or Stop) must be answered; return that message.
 Message DraftWorker::speculate(Window& window) {
   ready_.clear();
-  const bool cap = settings_.cap_budget;
+  const bool cap = settings_.branch_budget == settings::BranchBudget::Cap;
   const size_t g = window.tokens.size();
   std::optional<ExitMsg> exit_msg;
   std::optional<Message> held;
@@ -152,9 +154,9 @@ Message DraftWorker::speculate(Window& window) {
       continue;
     }
     std::vector<Branch> batch;
-    if (static_cast<int>(spent.size()) < settings_.max_branches) {
+    if (static_cast<int>(spent.size()) < settings_.branches) {
       const size_t room = static_cast<size_t>(
-          std::min<int>(settings_.branch_batch, settings_.max_branches - static_cast<int>(spent.size())));
+          std::min<int>(settings_.branch_batch, settings_.branches - static_cast<int>(spent.size())));
       const Candidates own{window.top_ids.data(), window.top_logprobs.data(), settings_.runner_up_k};
       Candidates exit;
       if (exit_msg) exit = Candidates{exit_msg->ids.data(), exit_msg->logprobs.data(), exit_msg->k};
@@ -194,50 +196,19 @@ bool DraftWorker::after_forward(const std::vector<Branch>& batch, std::optional<
   return !std::holds_alternative<ExitMsg>(*message);
 }
 
-// Roll out `batch` branches together, one row each: row r continues committed + window[:d_r - 1] + v_r. The rows
-// share the main cache's slots (committed + the whole window); slots beyond each row's branch point are masked out
-// (holes), so one tiled cache serves every depth. Returns a message that arrived meanwhile.
+// Roll out `batch` branches together (rollout::branches), polling the inbox between forwards; a complete batch's
+// rows become ready branches. Returns a message that arrived meanwhile.
 std::optional<Message> DraftWorker::roll_out(const Window& window, const std::vector<Branch>& batch, bool abandon) {
-  const int64_t g = static_cast<int64_t>(window.tokens.size()), rows = static_cast<int64_t>(batch.size());
-  const int64_t k = settings_.runner_up_k, base = draft_.cache().length();
-  auto cache = std::make_shared<KVCache>(draft_.cache().tiled(rows, g));
-  std::vector<std::vector<int64_t>> masks(static_cast<size_t>(rows), std::vector<int64_t>(base, 1));
-  std::vector<int64_t> ids(static_cast<size_t>(rows)), positions(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t keep = window.base_length + batch[r].depth - 1;  // the branch point
-    std::fill(masks[r].begin() + keep, masks[r].end(), 0);
-    positions[r] = keep;
-    ids[r] = batch[r].token;
-  }
-  std::vector<std::vector<int64_t>> tokens(rows), top_ids(rows);
-  std::vector<std::vector<float>> top_lps(rows);
-  std::vector<int64_t> step_ids(k), mask;
-  std::vector<float> step_lps(k);
   std::optional<Message> message;
-  for (int64_t step = 0; step < g; ++step) {
-    mask.clear();
-    for (auto& m : masks) {
-      m.push_back(1);
-      mask.insert(mask.end(), m.begin(), m.end());  // [rows, base + step + 1]
-    }
-    Rows logits = draft_.forward(*cache, ids, rows, mask, positions);  // [rows, vocab]
-    ++forwards_since_verdict_;
-    for (int64_t r = 0; r < rows; ++r) {
-      top_k_logprobs(logits.row(r), 1, logits.width, k, step_ids.data(), step_lps.data());
-      top_ids[r].insert(top_ids[r].end(), step_ids.begin(), step_ids.end());
-      top_lps[r].insert(top_lps[r].end(), step_lps.begin(), step_lps.end());
-      ids[r] = argmax(logits.row(r), logits.width);
-      tokens[r].push_back(ids[r]);
-      ++positions[r];
-    }
-    if (after_forward(batch, message, abandon)) return message;
-  }
+  auto rolled = std::make_shared<const rollout::Branches>(rollout::branches(
+      draft_, window.base_length, static_cast<int64_t>(window.tokens.size()), batch, settings_.runner_up_k, [&] {
+        ++forwards_since_verdict_;
+        return after_forward(batch, message, abandon);
+      }));
+  if (!rolled->complete) return message;
+  const int64_t rows = static_cast<int64_t>(batch.size());
   branches += rows;
-  std::vector<int64_t> slots(static_cast<size_t>(g));
-  for (int64_t j = 0; j < g; ++j) slots[j] = cache->length() - g + j;  // one new slot per forward, for every row
-  for (int64_t r = 0; r < rows; ++r)
-    ready_[{batch[r].depth, batch[r].token}] =
-        Ready{cache, r, std::move(tokens[r]), std::move(top_ids[r]), std::move(top_lps[r]), slots};
+  for (int64_t r = 0; r < rows; ++r) ready_[{batch[r].depth, batch[r].token}] = Ready{rolled, r};
   return message;
 }
 

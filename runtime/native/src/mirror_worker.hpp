@@ -30,19 +30,23 @@
 #include "mailbox.hpp"
 #include "models.hpp"
 #include "proposers.hpp"
+#include "rollout.hpp"
+#include "settings.hpp"
 
 namespace mirrorsd {
 
+// runtime/config.py's MirrorSettings (names and defaults: settings.hpp, generated from it).
 struct MirrorSettings {
-  int max_branches = 4;   // branches rolled out per step at most (the cap beside the time budget)
-  int branch_batch = 2;   // branches per batched rollout
-  int runner_up_k = 4;    // the draft's own candidate tokens kept per window position
-  double timeout_s = 120; // the main thread gives up on a silent worker after this long
-  bool cap_budget = false;     // false: stop at the verdict (the paper's overlap budget); true: always max_branches
-  bool use_exit_head = true;   // hand the early exit's top-k to the worker
+  int branches = settings::kBranches;          // branches rolled out per step at most (the cap beside the time budget)
+  int branch_batch = settings::kBranchBatch;   // branches per batched rollout
+  int runner_up_k = settings::kRunnerUpK;      // the draft's own candidate tokens kept per window position
+  settings::BranchBudget branch_budget = settings::kBranchBudget;  // Time: stop at the verdict (the paper's overlap
+                                                                   // budget); Cap: always roll out `branches`
+  bool exit_head = settings::kExitHead;        // hand the early exit's top-k to the worker
+  double draft_timeout_s = settings::kDraftTimeoutS;  // the main thread gives up on a silent worker after this long
   bool operator==(const MirrorSettings& o) const {
-    return max_branches == o.max_branches && branch_batch == o.branch_batch && runner_up_k == o.runner_up_k &&
-           timeout_s == o.timeout_s && cap_budget == o.cap_budget && use_exit_head == o.use_exit_head;
+    return branches == o.branches && branch_batch == o.branch_batch && runner_up_k == o.runner_up_k &&
+           branch_budget == o.branch_budget && exit_head == o.exit_head && draft_timeout_s == o.draft_timeout_s;
   }
 };
 
@@ -92,12 +96,8 @@ class DraftWorker {
     int64_t base_length = 0;          // committed tokens when the window was drafted (C)
   };
   struct Ready {
-    std::shared_ptr<KVCache> cache;   // the batch cache holding this branch as one row
-    int64_t row = 0;
-    std::vector<int64_t> tokens;      // [g] the branch's rollout: the next window if the verdict hits it
-    std::vector<int64_t> top_ids;     // [g, k]
-    std::vector<float> top_logprobs;
-    std::vector<int64_t> slots;       // [g] cache slots of the row's fed tokens v, t_1 .. t_g-1
+    std::shared_ptr<const rollout::Branches> rolled;  // the batch holding this branch as row `row`
+    int64_t row = 0;                                  // its rollout: the next window if the verdict hits it
   };
   using Key = std::pair<int, int64_t>;
 

@@ -1,6 +1,6 @@
 // Proposers: where a step's draft window comes from (runtime/proposers.py).
 //   TargetOnly (ar)  no window; the target decodes one token per step
-//   SerialDraft (sd) the draft rolls out g tokens after the verdict, serially with the target
+//   SerialDraft (sd) the draft rolls out g tokens after the verdict, serially with the target (rollout::fresh)
 //   MirrorProposer   see mirror.hpp: windows come from branches rolled out while the target verifies
 // Every proposer has the same methods, so the decode loop is written once.
 #pragma once
@@ -35,17 +35,6 @@ class Proposer {
 };
 
 using TargetOnly = Proposer;  // the defaults are exactly target-only decoding
-
-struct Rollout {
-  std::vector<int64_t> tokens;     // [g]
-  std::vector<int64_t> top_ids;    // [g, k] the draft's best tokens at each window position (k may be 0)
-  std::vector<float> top_logprobs;  // [g, k]
-  int64_t forwards = 0;
-};
-
-// Roll the draft's main cache back to `committed`, then draft `gamma` tokens greedily (gamma forwards). The cache
-// ends holding committed + window[:-1].
-Rollout draft_rollout(DraftModel& draft, const std::vector<int64_t>& committed, int gamma, int64_t top_k);
 
 class SerialDraft : public Proposer {
  public:

@@ -34,7 +34,7 @@ namespace MirrorSD
         public int RunnerUpK;
         public int BranchBudget;
         public int ExitHead;
-        public int FallbackOnDraftFailure;
+        public int OnDraftFailure;  // 0 raise, 1 fallback
         public double DraftTimeoutS;
     }
 
@@ -93,7 +93,7 @@ namespace MirrorSD
                                                    ref Stats stats);
 
         [DllImport(Library, CallingConvention = CallingConvention.Cdecl)]
-        public static extern void mirrorsd_close(IntPtr model);
+        public static extern int mirrorsd_close(IntPtr model);  // a status since ABI 3 (8 = busy)
 
         public static string LastError()
         {
@@ -168,7 +168,7 @@ namespace MirrorSD
         {
             if (handle != IntPtr.Zero)
             {
-                Native.mirrorsd_close(handle);
+                Check(Native.mirrorsd_close(handle));  // busy (generating on another thread): the model stays open
                 handle = IntPtr.Zero;
             }
         }
