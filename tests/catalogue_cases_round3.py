@@ -546,3 +546,13 @@ def _(w):
     for name in ("distill-train-6.jsonl", "distill-eval-6.jsonl"):
         (w.root / "old" / "exit_training" / name).write_bytes(bytes(range(256)))
     return run
+
+
+@case("export-resume-state-garbage", "23.5", "export --resume, the partial export's resume.json is garbage",
+      says=("damaged",), check=lambda w, o: "" if (w.root / ".out.partial" / "resume.json").is_file()
+      else "the partial export was removed")
+def _(w):
+    run = export_run(w, "--model", "model", "--output", "out", "--resume")
+    (w.root / ".out.partial").mkdir()
+    (w.root / ".out.partial" / "resume.json").write_bytes(bytes(range(256)))
+    return run
