@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import threading
@@ -68,6 +69,7 @@ class Pipeline:
         self.streaming_draft = streaming_draft(sessions)  # None unless the export has a streaming draft
         self._mirror: MirrorProposer | None = None
         self._lock = threading.Lock()  # one generation at a time per pipeline: calls from two threads serialize
+        self._owner: int | None = None  # the thread holding _lock (a call back into the pipeline is refused)
         self.target_timeline = sessions[names.PREFIX].timeline
         self.draft_timeline = sessions[names.DRAFT].timeline
         self._profile = None  # mode auto: this export's measured profile (runtime/planner/profiling.py), loaded once
@@ -252,7 +254,7 @@ class Pipeline:
                 "installs one), or use --mode ar")
         if widest.mode != "ar" and isinstance(self.draft, StaticDraftModel):
             self.draft.check_room(len(ids) + config.max_new_tokens, widest.gamma)
-        with self._lock:
+        with self._one_at_a_time("generate"):
             return self._generate(ids, config, on_text, sampling)
 
     def inexact_windows(self) -> str:
@@ -299,7 +301,7 @@ class Pipeline:
             raise GenerationInputError("A prompt plus max_new_tokens exceeds the context",
                                        f"the exported graphs allow {self.context_limit} tokens", "shorten it")
         pad = self.manifest.tokenizer.pad_token_id
-        with self._lock:
+        with self._one_at_a_time("generate_batch"):
             return generate_batch(self.target, ids, max_new_tokens, self.manifest.tokenizer.eos_token_ids,
                                   pad if pad is not None else 0)
 
@@ -394,10 +396,26 @@ class Pipeline:
         return self._mirror
 
     def close(self) -> None:
-        with self._lock:
+        with self._one_at_a_time("close"):
             if self._mirror is not None:
                 self._mirror.close()
                 self._mirror = None
+
+    @contextlib.contextmanager
+    def _one_at_a_time(self, call: str):
+        """Hold the pipeline's lock; a call from inside this pipeline's own on_text callback (the thread that holds
+        it) is an error instead of a deadlock."""
+        if self._owner == threading.get_ident():
+            raise GenerationInputError(f"Pipeline.{call} was called from inside the same pipeline's on_text callback",
+                                       "the pipeline runs one generation at a time, and the one calling back is "
+                                       "still running", f"collect the text and call {call} after generate returns "
+                                                        "(or use another Pipeline)")
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
 
     def __enter__(self) -> "Pipeline":
         return self
