@@ -18,10 +18,9 @@ are cast at its edges. Weights go straight into the external-data file (tensor_f
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 

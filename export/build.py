@@ -195,7 +195,8 @@ def _effect(job: ModelJob, builds: dict, shared: dict, scratch: Path) -> dict[st
     kv = {role: build.io.kv for role, build in builds.items()}
     after, mask = validate.model_logits(scratch, job.model, job.source.info, job.exit_layer, kv)
     effect = validate.quantization_effect(job.model, before, after, mask)
-    text = validate.text_batch(job.source.tokenizer, job.source.info)
+    tokenizer = job.source.tokenizer
+    text = validate.text_batch(tokenizer and (lambda t: tokenizer(t)["input_ids"]), job.source.info)
     if text is not None:  # and on real text: the fp32 model in PyTorch against the quantized files
         info = job.source.info
         reference = validate.torch_reference(job.source, *text, info.num_layers, None)[0]

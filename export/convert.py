@@ -127,9 +127,14 @@ def _is_current(out_dir: Path, source: WeightSource) -> bool:
     record_path = out_dir / SOURCE_RECORD
     if not record_path.is_file():
         return False
+    from mirrorsd.errors import ModelSourceError
+    from mirrorsd.user_files import JSON_LIMIT, read_json
+
     try:
-        record = json.loads(record_path.read_text())
-    except (OSError, ValueError):
+        record = read_json(record_path, JSON_LIMIT, lambda why: ModelSourceError(f"Cannot read {record_path}", why))
+    except ModelSourceError:  # a damaged record: the folder is converted again
+        return False
+    if not isinstance(record, dict):
         return False
     return (record.get("gguf_file"), record.get("gguf_size"), record.get("format")) == (
         source.filename, source.size, CONVERT_FORMAT)

@@ -72,6 +72,11 @@ def requantize(source: Path, output: Path, target_precision: str | None = None, 
                                attention=manifest.attention, rounding=rounding)
             after, _ = validate.model_logits(stage.path, model, info, manifest.exit_layer, kv)
             effects[registry.effect_owner(model)] = validate.quantization_effect(model, before, after, mask)
+            text = validate.text_batch(_encoder(source, manifest), info)
+            if text is not None:  # the fp32 graphs against the quantized ones on the shipped text
+                fp32, _ = validate.model_logits(source, model, info, manifest.exit_layer, kv, batch=text)
+                quantized, _ = validate.model_logits(stage.path, model, info, manifest.exit_layer, kv, batch=text)
+                effects[registry.effect_owner(model)].update(validate.text_agreement(model, fp32, quantized))
         graphs = {role: dataclasses.replace(spec, validation={**spec.validation, **effects.get(role, {})})
                   for role, spec in manifest.graphs.items()}
         kept = {f"{model}_precision": precision or done.get(f"{model}_precision", "fp32")
@@ -82,6 +87,14 @@ def requantize(source: Path, output: Path, target_precision: str | None = None, 
         dataclasses.replace(manifest, graphs=graphs, export_options=options).save(stage.path)
         stage.publish()
     return output
+
+
+def _encoder(folder: Path, manifest):
+    """The export folder's own tokenizer as text -> ids (special tokens as the tokenizer adds them)."""
+    from mirrorsd.runtime.text import TextCodec
+
+    codec = TextCodec(folder, manifest)
+    return lambda text: codec.encode(text, chat=False)
 
 
 def _rounding(manifest, info, scale_search: str, head_bits: int | None, progress):

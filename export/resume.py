@@ -70,7 +70,7 @@ def open_state(folder: Path, fingerprint: dict) -> ResumeState:
         state = ResumeState(folder, fingerprint)
         state.save()
         return state
-    saved = json.loads(path.read_text())
+    saved = _read_state(path, folder)
     if saved.get("fingerprint") != fingerprint:
         changed = sorted(k for k in set(fingerprint) | set(saved.get("fingerprint", {}))
                          if fingerprint.get(k) != saved.get("fingerprint", {}).get(k))
@@ -78,6 +78,21 @@ def open_state(folder: Path, fingerprint: dict) -> ResumeState:
                                 f"these differ from this run: {', '.join(changed)}",
                                 f"rerun with the same options and models, or delete '{folder}' to start over")
     return ResumeState(folder, fingerprint, list(saved.get("built", [])), dict(saved.get("validated", {})))
+
+
+def _read_state(path: Path, folder: Path) -> dict:
+    """The saved state of a partial export; ExportOptionError when it is damaged (garbage, not a regular file, too
+    large, not an object with a fingerprint)."""
+    from mirrorsd.user_files import JSON_LIMIT, read_json
+
+    fix = f"delete '{folder}' and export again"
+    saved = read_json(path, JSON_LIMIT, lambda why: ExportOptionError(f"The partial export's {path.name} in "
+                                                                      f"'{folder}' is damaged", why, fix))
+    if not isinstance(saved, dict) or not isinstance(saved.get("fingerprint"), dict) or \
+            not isinstance(saved.get("built", []), list) or not isinstance(saved.get("validated", {}), dict):
+        raise ExportOptionError(f"The partial export's {path.name} in '{folder}' is damaged",
+                                "it is not the object mirrorsd-export writes", fix)
+    return saved
 
 
 def source_stamp(path: Path) -> list:

@@ -172,14 +172,14 @@ def model_logits(folder: Path, model: str, info, exit_layer: int, kv_specs: dict
 TEXT_TOKENS = 128  # the real-text agreement reads the first tokens of the shipped text: seconds, not minutes
 
 
-def text_batch(tokenizer, info) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """One row of the shipped text's first tokens (ids, mask, positions), or None without a usable tokenizer."""
+def text_batch(encode, info) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """One row of the shipped text's first tokens (ids, mask, positions), or None without a usable tokenizer.
+    ``encode``: text -> token ids (a Hugging Face tokenizer's call, or an export folder's tokenizer)."""
     from mirrorsd.data import EVAL_TEXT
 
-    if tokenizer is None:
+    if encode is None:
         return None
-    ids = list(tokenizer(EVAL_TEXT.read_text(encoding="utf-8"))["input_ids"])[:min(TEXT_TOKENS,
-                                                                                  info.max_position_embeddings)]
+    ids = list(encode(EVAL_TEXT.read_text(encoding="utf-8")))[:min(TEXT_TOKENS, info.max_position_embeddings)]
     if len(ids) < 2 or max(ids) >= info.vocab_size:
         return None
     ids = np.asarray([ids], np.int64)

@@ -188,12 +188,22 @@ def _stamp_path(target: Path) -> Path:
     return target.with_name(target.name + STAMP_SUFFIX)
 
 
+def _stamped(stamp: Path) -> str:
+    """The hash a stamp file records, or "" (unreadable or implausibly large: the file is hashed again)."""
+    from mirrorsd.user_files import KIB, read_text
+
+    try:
+        return read_text(stamp, KIB, lambda why: WeightsFetchError(f"Cannot read {stamp}", why)).strip()
+    except WeightsFetchError:
+        return ""
+
+
 def _is_cached(target: Path, source: WeightSource) -> bool:
     """True if ``target`` is complete: right size and a stamp with the right hash (re-hashed once if unstamped)."""
     if not target.is_file() or target.stat().st_size != source.size:
         return False
     stamp = _stamp_path(target)
-    if stamp.is_file() and stamp.read_text().strip() == source.sha256:
+    if stamp.is_file() and _stamped(stamp) == source.sha256:
         return True
     digest = hashlib.sha256()
     with open(target, "rb") as handle:

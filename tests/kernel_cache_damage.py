@@ -24,8 +24,8 @@ def copying_compiler(folder: Path, built: Path, works: bool = True) -> Path:
             f'for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; [ "$a" = "-shared" ] && shared=1; prev="$a"; done\n'
             f'if [ $shared = 1 ]; then cp "{built}" "$out"; else : > "$out"; fi\n') if works else \
         'echo "error: the stand-in compiler refuses" >&2\nexit 1\n'
-    script.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ]; then echo "stand-in c++ 1.0 ({script.name})"; exit 0; fi\n'
-                      f'echo "$*" >> "{log}"\n{body}')
+    version = f'if [ "$1" = "--version" ]; then echo "stand-in c++ 1.0 ({script.name})"; exit 0; fi\n'
+    script.write_text(f'#!/bin/sh\n{version}echo "$*" >> "{log}"\n{body}')
     script.chmod(0o755)
     return script
 

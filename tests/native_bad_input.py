@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for mirrorsd.runtime.native's structs

@@ -389,8 +389,6 @@ def test_measured_step_times_correct_a_profile_wrong_for_speculation(random_draf
     """A profile whose speculative costs are a hundredth of the real ones (taken while other jobs ran, the way a
     1-row verify measured dearer than a 2-row one): auto starts speculating, measures its steps, corrects the costs
     of every speculative strategy by them and finishes in ar, whose cost was right; the tokens are ar's."""
-    from dataclasses import replace
-
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import Pipeline
 

@@ -9,9 +9,10 @@ import pytest
 from kernel_cache_damage import HOW, copying_compiler, damage, entry, links
 from kernel_graphs import library_or_skip, model_bytes, random_layers, run
 
-from mirrorsd.errors import KernelsUnavailableError
+from mirrorsd.errors import DeviceError, KernelsUnavailableError
 from mirrorsd.devices import kernels
 from mirrorsd.devices.kernels import build
+from mirrorsd.devices.kernels import cache as cache_entries
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -75,7 +76,22 @@ def test_when_the_rebuild_fails_too_onnx_runtimes_kernels_run_and_say_so(built, 
         warnings.simplefilter("error")  # settled once per process: no second line, no second build
         assert resolve_kernels("auto")[0] == "ort"
         assert kernels.build_id() is None
+        with pytest.raises(DeviceError, match="mirrorsd's kernels cannot run here"):
+            resolve_kernels("mirrorsd")  # asked for by name: an error with the reason, not a fallback
     assert links(compiler) == tried
+
+
+def test_an_entry_another_process_repaired_meanwhile_is_kept(built, tmp_path, monkeypatch):
+    compiler = copying_compiler(tmp_path / "bin", built)
+    cache = tmp_path / "cache"
+    folder = damage(cache, compiler, "empty", built)
+    seen = cache_entries.identity(folder)  # this process found it damaged; then, before it held the lock...
+    cache_entries.move_aside(folder)  # ...another one moved it aside and published a sound build
+    build._build_locked(str(compiler), folder, None)
+    assert links(compiler) == 1 and cache_entries.entry_problem(folder, build.LIBRARY_NAME) is None
+    build._build_locked(str(compiler), folder, "the library is empty", seen)
+    assert links(compiler) == 1, "the repaired entry was rebuilt again"
+    assert len(list(folder.parent.glob(".*.damaged-*"))) == 1
 
 
 def test_a_cache_it_cannot_write_gives_the_reason_not_an_os_error(built, tmp_path, monkeypatch):

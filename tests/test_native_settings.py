@@ -8,8 +8,6 @@ import ctypes
 import dataclasses
 import re
 
-import pytest
-
 from mirrorsd.errors import GenerationInputError
 from mirrorsd.runtime import GenerationConfig
 from mirrorsd.runtime import config as py

@@ -42,8 +42,10 @@ def test_llama_server_commands_per_mode(tmp_path):
     ngram = server_command(binary, "llama-ngram", target, draft, 8125, 2)
     assert ar[0] == str(binary) and ar[ar.index("--model") + 1] == str(target)
     assert str(draft) not in ar and "--spec-type" not in ar
-    assert sd[sd.index("--model-draft") + 1] == str(draft)
+    assert sd[sd.index("--model-draft") + 1] == str(draft) and sd[sd.index("--spec-type") + 1] == "draft-simple"
     assert ngram[ngram.index("--spec-type") + 1].startswith("ngram") and str(draft) not in ngram
+    assert server_command(binary, "llama-ar", target, draft, 8123, 2, "--no-repack -fa on")[-3:] == [
+        "--no-repack", "-fa", "on"]  # $MIRRORSD_LLAMA_ARGS, split as a shell would
     for command in (ar, sd, ngram):  # loopback only, one slot, the given threads
         assert command[command.index("--host") + 1] == "127.0.0.1"
         assert command[command.index("--parallel") + 1] == "1" and command[command.index("--threads") + 1] == "2"
@@ -238,3 +240,4 @@ def test_llama_cpp_server_modes_agree_with_its_target(tmp_path):
     assert len(plain.tokens) == 16 and lookup.tokens == plain.tokens
     assert plain.stats["finish_reason"] == "length" and plain.stats["tokens_per_second"] > 0
     assert plain.stats["time_to_first_token_s"] > 0 and plain.stats["placement"]["target_gguf"] == gguf.name
+    assert "draft_gguf" not in plain.stats["placement"]  # only llama-sd runs a draft

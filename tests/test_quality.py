@@ -113,6 +113,11 @@ def test_uniform_model_has_perplexity_near_the_vocabulary(models, cycle_text):
                       progress=False)
     row = result.rows[0]
     assert result.tokens == 200 and row.tokens == 199
+    full = evaluate(EvalOptions((uniform,), text=cycle_text, max_tokens=200, window=100), progress=False).rows[0]
+    half = evaluate(EvalOptions((uniform,), text=cycle_text, max_tokens=200, window=100, score_from=50),
+                    progress=False).rows[0]
+    assert full.tokens == 2 * 99 and half.tokens == 2 * 49  # each window scores its positions 50..98
+    np.testing.assert_array_equal(half.nll, np.concatenate([full.nll[50:99], full.nll[149:]]))
     assert 0.95 * VOCAB < row.perplexity < 1.05 * VOCAB
     assert row.agreement < 0.2  # it does not predict the cycle
 
@@ -134,6 +139,7 @@ def test_shipped_text_scores_through_the_cli(models, capsys):
     (dict(max_tokens=1), "--max-tokens 1 is too small"),
     (dict(models=(Path("/nonexistent"),)), "is not a folder"),
     (dict(role="exit"), "not a model of an export"),
+    (dict(window=8, score_from=7), "--score-from 7 is out of range"),
 ])
 def test_bad_input_is_a_clear_error(models, cycle_text, change, message):
     _, export = models["uniform"]

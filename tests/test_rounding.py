@@ -64,3 +64,12 @@ def test_requantized_with_a_search_stays_exact_in_every_mode(exported, tmp_path,
             bits[attrs["N"] == manifest.target.vocab_size] = attrs["bits"]
     assert bits == {True: head_bits or 4, False: 4}
     modes_agree(out)
+
+
+def test_requantize_records_the_real_text_agreement(exported, tmp_path):
+    from mirrorsd.export.requantize import requantize
+    from mirrorsd.manifest import load_manifest
+
+    out = requantize(exported("llama", draft_layers=3), tmp_path / "q", "int8", None)
+    validation = load_manifest(out).graph("suffix").validation
+    assert 0.0 <= validation["target_quant_text_top1_agreement"] <= 1.0 and "target_quant_top1_agreement" in validation

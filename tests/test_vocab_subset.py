@@ -4,7 +4,6 @@ and sampled with the exact rule, down to a one-id subset the target never picks;
 is written; the ranking follows the tokenizer (special tokens, alphabet, merge order)."""
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np

@@ -11,8 +11,8 @@ accuracy level 4), exact integer block dot products, one fixed float order per (
     data, count = kernels.read_switched(path) # or: a graph whose MatMulNBits nodes name "mirrorsd.kern"
 
 Both raise KernelsUnavailableError with the reason (no compiler, a CPU without AVX2/AVX-512 VNNI, another OS), so a
-caller can fall back to ONNX Runtime's kernel. ``MIRRORSD_KERNELS_ISA`` = avx512vnni | avx2 | scalar forces a path
-when a session is created (the paths agree bit for bit; tests use it to compare them).
+caller can fall back to ONNX Runtime's kernel. ``MIRRORSD_KERNELS_ISA`` = avx512vnni | amx | avx2 | scalar forces a
+path when a session is created (the paths agree bit for bit; tests use it to compare them).
 """
 from __future__ import annotations
 

@@ -138,7 +138,7 @@ def _load_or_build(compiler: str, folder: Path) -> KernelLibrary:
             problem = f"it does not load: {exc.why}"
     damage = None if problem == "missing" else problem
     try:
-        _build_locked(compiler, folder, damage)
+        _build_locked(compiler, folder, damage, entries.identity(folder))
         if (after := entries.entry_problem(folder, LIBRARY_NAME)) is not None:
             raise KernelsUnavailableError("The built mirrorsd kernel library is not sound", after,
                                           f"remove {folder} and run python -m mirrorsd.devices.kernels")
@@ -174,10 +174,10 @@ def probe_paths(path: Path) -> dict[str, bool]:
                                       "Runtime's kernels") from None
 
 
-def _build_locked(compiler: str, folder: Path, damage: str | None) -> None:
+def _build_locked(compiler: str, folder: Path, damage: str | None, seen: tuple | None = None) -> None:
     """Build the library into ``folder`` under a lock, first moving aside a damaged entry (``damage`` says what is
-    wrong, or None) or a file where the kernels folder belongs. A cache it cannot write raises
-    KernelsUnavailableError."""
+    wrong, or None; ``seen`` is the entry's identity when it was found damaged) or a file where the kernels folder
+    belongs. A cache it cannot write raises KernelsUnavailableError."""
     import fcntl
 
     try:
@@ -187,8 +187,8 @@ def _build_locked(compiler: str, folder: Path, damage: str | None) -> None:
         with open(folder.parent / f".{folder.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building (or repairing) the same library
             problem = entries.entry_problem(folder, LIBRARY_NAME)
-            if problem is None and damage is None:
-                return  # another process built it meanwhile
+            if problem is None and (damage is None or entries.identity(folder) != seen):
+                return  # another process built (or repaired) it meanwhile
             if problem != "missing":
                 entries.move_aside(folder)  # nothing is deleted: the damaged entry keeps its bytes, renamed
             work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))

@@ -77,6 +77,16 @@ def entry_problem(folder: Path, library_name: str) -> str | None:
     return None if recorded == actual else "the library's bytes do not match its checksum"
 
 
+def identity(path: Path) -> tuple | None:
+    """Which entry ``path`` is now (device, inode, change time), or None when there is none: a process that found an
+    entry damaged rebuilds it only if it is still the same entry once the build lock is held."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_ctime_ns
+
+
 def move_aside(path: Path) -> Path:
     """Rename a damaged entry (file or folder) to ``.<name>.damaged-*`` beside it; returns the new name."""
     holder = Path(tempfile.mkdtemp(prefix=f".{path.name}.damaged-", dir=path.parent))

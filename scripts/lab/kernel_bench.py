@@ -1,5 +1,6 @@
 """MatMulNBits speed by rows M: ONNX Runtime (accuracy level 4 and 1) vs mirrorsd's kernel, on a chain of layers
-whose weights exceed the L3 cache, so every call streams them from memory (a decode step in miniature).
+whose weights exceed the L3 cache, so every call streams them from memory (a decode step in miniature). The default
+chain is 59 MB: on a CPU whose L3 is larger (lscpu says so), raise --layers past it (--layers 400 is 590 MB).
 
     /work/bin/quiet python scripts/lab/kernel_bench.py [--hidden 1536 --inner 1536 --layers 40] [--bits 4]
                                                        [--threads 1,2] [--spinning] [--paths amx,avx512vnni,avx2]

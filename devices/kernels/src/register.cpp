@@ -37,8 +37,8 @@ bool cpu_runs(const Path& path) {
 // Every path this build has, fastest first.
 const Path* const* all_paths(size_t& count) {
 #if defined(__x86_64__) || defined(_M_X64)
-  // amx is not picked by default: it measured no faster than avx512vnni on a Sapphire Rapids class Xeon; MIRRORSD_KERNELS_ISA
-  // names it
+  // amx is not picked by default: it measured no faster than avx512vnni on a Sapphire Rapids class Xeon
+  // (MIRRORSD_KERNELS_ISA names it)
   static const Path* const paths[] = {&avx512_path(), &amx_path(), &avx2_path(), &scalar_path()};
   count = 4;
 #else
