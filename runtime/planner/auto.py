@@ -283,9 +283,13 @@ class AutoProposer:
     def _take_lookup(self, measured: float) -> None:
         """Switch to ngram when its replay on this text predicts it LOOKUP_MARGIN faster than what runs now (both
         predicted from the same acceptance and costs)."""
-        if self.strategy.mode == "ngram" or self._pending is not None:
-            return
-        table = self._plan(self.acceptance(), self.strategy)
+        if self.strategy.mode == "ngram" or self._pending is not None or self._probe_due:
+            return  # a due ar probe decides first (its table ranks ngram too)
+        acceptance = self.acceptance()
+        probed = self.probe.total.alpha if self._probing else None
+        if probed is not None and acceptance.source != "online":  # in ar: what the probes measured of the draft
+            acceptance = replace(acceptance, alpha=probed, source="ar probe")
+        table = self._plan(acceptance, self.strategy)
         best = table.best_of("ngram")
         now = next((r for r in table.rows if r.strategy == self.strategy), None)
         if best is None or best is not table.best or now is None or \
