@@ -27,15 +27,11 @@ def read_inputs(hits_file: Path, profile_file: Path, kind: str = "trained"):
     """(hits by layer, the swept model's layer count or None, the profile): both files read and checked, before
     the export opens a model (a bad file fails in a second)."""
     from mirrorsd.runtime.planner import profile as profiles
-    from mirrorsd.runtime.planner.exit_layer import read_hits
-    from mirrorsd.user_files import JSON_LIMIT, read_json
+    from mirrorsd.runtime.planner.exit_layer import read_hits_file
 
     fix = "pass the --json output of mirrorsd-exit-sweep for this target, or give --exit-layer L"
     fail = lambda why: ExportOptionError(f"Cannot read the exit-layer sweep {hits_file}", why, fix)  # noqa: E731
-    try:
-        hits, swept = read_hits(read_json(hits_file, JSON_LIMIT, fail), TOPK, kind)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise fail(str(exc)) from None
+    hits, swept = read_hits_file(hits_file, TOPK, kind, fail)
     try:
         profile = profiles.load(profile_file)
     except ProfileError as exc:

@@ -90,16 +90,11 @@ def exit_layer_lines(profile, acceptance: Acceptance, hits_file: Path, topk: int
     """Per thread split with prefix times: Mirror-SD's predicted speed at each exit layer of the sweep."""
     from mirrorsd.errors import ProfileError
     from mirrorsd.runtime.planner.exit_layer import (exit_layer_table, format_exit_table, noexit_tokens_per_second,
-                                                     read_hits)
-
-    from mirrorsd.user_files import JSON_LIMIT, read_json
+                                                     read_hits_file)
 
     fix = "pass the --json output of mirrorsd-exit-sweep"
     fail = lambda why: ProfileError(f"Cannot read the exit sweep {hits_file}", why, fix)  # noqa: E731
-    try:
-        hits, layers = read_hits(read_json(hits_file, JSON_LIMIT, fail), topk, kind)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise fail(str(exc)) from None
+    hits, layers = read_hits_file(hits_file, topk, kind, fail)
     out = []
     for costs, detail in zip(profile.splits, profile.detail or ({},) * len(profile.splits)):
         base = exit_layer or (detail or {}).get("exit_layer")

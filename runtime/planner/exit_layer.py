@@ -104,8 +104,19 @@ def format_exit_table(rows: list[ExitLayerRow], noexit_tps: float | None = None,
     return "\n".join(out)
 
 
+def read_hits_file(path, topk: int, kind: str, fail) -> tuple[dict[int, float], int | None]:
+    """read_hits of a user-named sweep file (read with a size cap, a regular file only); any problem is raised as
+    ``fail(why)``."""
+    from mirrorsd.user_files import JSON_LIMIT, read_json
+
+    try:
+        return read_hits(read_json(path, JSON_LIMIT, fail), topk, kind)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise fail(str(exc)) from None
+
+
 def read_hits(data: dict, topk: int = 4, kind: str = "trained") -> tuple[dict[int, float], int | None]:
-    """({layer: hit rate}, N) from exit_layer_sweep.py's --json output (top-``topk`` of the ``kind`` exit)."""
+    """({layer: hit rate}, N) from mirrorsd-exit-sweep's --json output (top-``topk`` of the ``kind`` exit)."""
     hits = {}
     for row in data.get("results", []):
         table = row[kind]
