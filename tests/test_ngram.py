@@ -324,6 +324,33 @@ def test_latency_ranks_ngram_from_its_replay():
     assert all(r.strategy.mode != "ngram" for r in rank([costs], Acceptance(0.0, 0.0)).rows)
 
 
+def test_measured_factors_reach_untried_strategies_with_the_same_parts():
+    """A measured sd step (its draft slower than profiled) makes every untried sd and mirror strategy dearer, not
+    ngram, whose step has no draft; a measured ar or ngram step makes an untried ngram dearer."""
+    from mirrorsd.runtime.planner.auto import corrected
+    from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts, Strategy, rank
+    from mirrorsd.runtime.planner.lookup import LookupCounts
+
+    costs = SplitCosts(target_threads=2, draft_threads=2, verify_s=(0.010, 0.011, 0.012, 0.013), exit_s=(0.0,) * 4,
+                       draft1_s=0.005, branch_fwd_s=0.006, branch_batch=2)
+    lookup = (LookupCounts(12, (8, 2)), LookupCounts(14, (8, 0, 2)), LookupCounts(16, (8, 0, 0, 2)))
+    table = rank([costs], Acceptance(0.6, 0.3, source="test", lookup=lookup))
+    step = {r.strategy: r.step_s for r in table.rows}
+    sd2, sd3, ngram2 = (Strategy(m, g, split=costs.split) for m, g in (("sd", 2), ("sd", 3), ("ngram", 2)))
+    ar = Strategy("ar", split=costs.split)
+    fixed = {r.strategy: r.step_s for r in corrected(table, {sd2: 1.5}).rows}
+    assert fixed[sd2] == pytest.approx(1.5 * step[sd2]) and fixed[sd3] == pytest.approx(1.5 * step[sd3])
+    assert all(fixed[s] == pytest.approx(1.5 * step[s]) for s in step if s.mode == "mirror")
+    assert fixed[ngram2] == pytest.approx(step[ngram2]) and fixed[ar] == pytest.approx(step[ar])
+    fixed = {r.strategy: r.step_s for r in corrected(table, {sd2: 1.5, ar: 1.2}).rows}
+    assert fixed[ngram2] == pytest.approx(1.2 * step[ngram2]) and fixed[sd3] == pytest.approx(1.5 * step[sd3])
+    fixed = {r.strategy: r.step_s for r in corrected(table, {ngram2: 1.3}).rows}
+    ngram1 = Strategy("ngram", 1, split=costs.split)
+    assert fixed[ngram1] == pytest.approx(1.3 * step[ngram1])
+    assert fixed[sd3] == pytest.approx(1.3 * step[sd3])  # a slow multi-row verify is slow for sd too
+    assert fixed[ar] == pytest.approx(step[ar])
+
+
 def test_auto_switches_to_ngram_when_its_replay_pays(pipe):
     """Auto told the draft is useless starts (and would stay) in ar; the text runs into a cycle, the replay
     finds that copied windows pay where a window costs what a row costs, and auto switches to ngram. Output = ar's."""

@@ -1,12 +1,14 @@
-"""While mode auto runs ar, measure whether the draft would be accepted now, without touching the target's output.
+"""While mode auto runs ar (or ngram: neither uses the draft), measure whether the draft would be accepted now,
+without touching the target's output.
 
     probe     every PROBE_STEPS ar steps, the draft reads the tokens committed since its last probe (one forward
               over all of them, on its own KV cache; the first probe of a generation prefills the whole text) and
               its argmax at each position is compared with the token the target committed next. Under greedy
               verification a draft token is accepted exactly when it equals the target's token given the committed
               text, so matches / rows is the per-token acceptance alpha a speculative step would see now
-    decide    leave_ar: the re-planner ranks again with that alpha; it leaves ar only when a speculative strategy is
-              predicted LEAVE_MARGIN faster than ar (hysteresis: it entered ar because speculation measured slower)
+    decide    leave_ar: the re-planner ranks again with that alpha; it leaves ar (or ngram) only when another
+              strategy is predicted LEAVE_MARGIN faster than the one running (hysteresis: it entered ar or ngram
+              because speculation with the draft measured slower)
     exact     the target never sees the probe (it decodes one token per step as before); the draft's cache is the
               only state it changes, and every speculative proposer rebuilds or re-syncs that cache itself
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from mirrorsd.runtime.planner.latency import ALPHA_CAP, Acceptance, Table
+from mirrorsd.runtime.planner.latency import ALPHA_CAP, Acceptance, Strategy, Table
 
 PROBE_STEPS = 32  # ar steps between probes: one batched draft forward per 32 target steps
 MIN_PROBE_ROWS = 16  # scored positions before the probe's alpha replaces what was known
@@ -101,11 +103,13 @@ def speculation_can_pay(table_for, acceptance: Acceptance) -> bool:
     return leave_ar(table_for(perfect)) is not None
 
 
-def leave_ar(table: Table, margin: float = LEAVE_MARGIN):
-    """The speculative strategy to switch to from ar, or None: the fastest non-ar row of ``table`` when it is
-    predicted more than ``margin`` faster than ar."""
-    ar = table.best_of("ar")
-    other = next((r for r in table.rows if r.strategy.mode != "ar"), None)
-    if ar is None or other is None or other.tokens_per_second <= (1 + margin) * ar.tokens_per_second:
+def leave_ar(table: Table, margin: float = LEAVE_MARGIN, current: Strategy | None = None):
+    """The strategy to switch to from ar (or from ``current``, a strategy without a draft: ar or ngram), or None:
+    the fastest row of ``table`` of another mode than ar and ``current``'s, when it is predicted more than
+    ``margin`` faster than ``current`` (ar when not given)."""
+    base = next((r for r in table.rows if r.strategy == current), None) if current else table.best_of("ar")
+    mode = base.strategy.mode if base is not None else "ar"
+    other = next((r for r in table.rows if r.strategy.mode not in ("ar", mode)), None)
+    if base is None or other is None or other.tokens_per_second <= (1 + margin) * base.tokens_per_second:
         return None
     return other

@@ -17,10 +17,12 @@
               so it does not re-plan every 16 steps for nothing
     lookup    every step the committed text is replayed as mode ngram would have decoded it (planner/lookup.py);
               every RECHECK_STEPS steps, auto takes ngram when the latency model predicts it LOOKUP_MARGIN faster
-              than the strategy running (code that repeats names, answers that quote their question)
-    leave ar  while in ar, the draft is probed every PROBE_STEPS steps on the committed text (planner/ar_probe.py:
-              teacher-forced, the target's tokens untouched) and the strategies ranked again with the alpha it
-              measured; auto leaves ar when a speculative strategy is predicted LEAVE_MARGIN faster than ar
+              than the strategy running (code that repeats names, answers that quote their question); from ar,
+              LOOKUP_MARGIN_FROM_AR (neither has a draft: the switch itself costs nothing)
+    leave ar  while in ar or ngram (the draft idle), the draft is probed every PROBE_STEPS steps on the committed
+              text (planner/ar_probe.py: teacher-forced, the target's tokens untouched) and the strategies ranked
+              again with the alpha it measured; auto leaves when another strategy is predicted LEAVE_MARGIN faster
+              than the one running
     switch    the old proposer is finished (a Mirror-SD worker stops) and the new one starts from the committed
               text: the draft's cache is rebuilt by its prefill. Every mode is lossless, so the tokens stay the
               target's whatever it switches to (tests/test_auto.py checks parity with ar across switches)
@@ -42,6 +44,7 @@ RECHECK_STEPS = 16  # steps per check of the measured speed against the predicti
 SLACK = 0.10  # re-plan when the measured speed is more than this fraction below the prediction
 MIN_ONLINE_STEPS = 8  # speculative steps before this generation's own acceptance replaces the prior
 LOOKUP_MARGIN = 0.10  # take ngram when predicted this much faster than the running strategy (its replay is young)
+LOOKUP_MARGIN_FROM_AR = 0.02  # ... from ar: no draft on either side, the switch costs nothing, so a small gain pays
 
 
 @dataclass
@@ -116,19 +119,26 @@ def plan_table(costs: SplitCosts, acceptance: Acceptance, streaming: bool = Fals
 
 
 WIDE = ("sd", "mirror", "ngram")  # the modes that verify windows of several rows: they share that cost (and the draft's)
+TARGET_ONLY = ("ar", "ngram")  # the modes whose step is the target alone (no draft forward)
 
 
 def corrected(table: Table, step_factor: dict[Strategy, float]) -> Table:
     """``table`` with each measured strategy's step time scaled by ``step_factor`` (measured / predicted seconds
-    per step), fastest first again. A strategy of several rows per step (sd, mirror, ngram) not run yet takes the
-    largest factor measured on one of them: they share the multi-row verify's cost (and sd and mirror the draft's),
-    so a profile wrong for one is wrong for them (else auto would walk through every untried gamma and mode, each
-    predicted from the same bad costs)."""
+    per step), fastest first again. A strategy not run yet takes the largest factor measured on the strategies
+    whose step holds the same parts (else auto would walk through every untried gamma and mode, each predicted
+    from the same bad costs):
+        sd, mirror   any measured strategy of several rows per step (sd, mirror, ngram): they share the
+                     multi-row verify's cost, and sd and mirror the draft's
+        ngram        a measured ngram or ar: its step is the target's verify alone. A draft slower than profiled
+                     (what an sd factor mostly measures) says nothing of it; giving it sd's factor kept auto in ar
+                     on text where prompt lookup paid"""
     if not step_factor:
         return table
-    speculative = max((f for s, f in step_factor.items() if s.mode in WIDE), default=1.0)
-    rows = [Prediction(r.strategy, r.step_s * step_factor.get(r.strategy, speculative if r.strategy.mode in WIDE
-                                                              else 1.0), r.tokens_per_step)
+    drafted = max((f for s, f in step_factor.items() if s.mode in WIDE), default=1.0)
+    target_only = max((f for s, f in step_factor.items() if s.mode in TARGET_ONLY), default=1.0)
+    untried = {"sd": drafted, "mirror": drafted, "ngram": target_only}
+    rows = [Prediction(r.strategy, r.step_s * step_factor.get(r.strategy, untried.get(r.strategy.mode, 1.0)),
+                       r.tokens_per_step)
             for r in table.rows]
     order = {m: i for i, m in enumerate(MODES)}
     rows.sort(key=lambda p: (-round(p.tokens_per_second, 9), order[p.strategy.mode], p.strategy.gamma))
@@ -243,7 +253,7 @@ class AutoProposer:
         self._last = now
         self.generated += tokens
         self.online.record(verdict, self.strategy, self._reused)
-        if self._probing and self.strategy.mode == "ar" and self._pending is None:
+        if self._probing and self.strategy.mode in TARGET_ONLY and self._pending is None:
             self._ar_steps += 1
             self._probe_due = self._ar_steps % PROBE_STEPS == 0
         if len(self._recent) < RECHECK_STEPS:
@@ -293,7 +303,7 @@ class AutoProposer:
         best = table.best_of("ngram")
         now = next((r for r in table.rows if r.strategy == self.strategy), None)
         if best is None or best is not table.best or now is None or \
-                best.tokens_per_second < (1 + LOOKUP_MARGIN) * now.tokens_per_second:
+                best.tokens_per_second < (1 + self._lookup_margin()) * now.tokens_per_second:
             return
         counts = table.acceptance.lookup_at(best.strategy.gamma)
         self.switches.append(Switch(self._step, self.strategy.name, best.strategy.name, round(measured, 2),
@@ -302,6 +312,9 @@ class AutoProposer:
                                     f"{counts.steps} steps; re-planned: " + why(table)))
         self.table = table
         self._pending = best
+
+    def _lookup_margin(self) -> float:
+        return LOOKUP_MARGIN_FROM_AR if self.strategy.mode == "ar" else LOOKUP_MARGIN
 
     def _probe(self, committed: list[int]) -> None:
         """In ar: probe the draft on the committed text and switch to speculation when it is predicted to pay."""
@@ -315,12 +328,12 @@ class AutoProposer:
         known = self.online.acceptance(self.prior)  # the probe measures alpha only; reuse stays what was known
         acceptance = Acceptance(alpha, known.reuse, known.reuse_noexit, "ar probe", self.replay.all_counts())
         table = self._plan(acceptance, self.strategy)
-        best = leave_ar(table)
+        best = leave_ar(table, current=self.strategy)
         if best is None:
             return
         stats = self.probe.stats
-        ar = table.best_of("ar").tokens_per_second
-        self.switches.append(Switch(self._step, self.strategy.name, best.strategy.name, round(ar * self.scale, 2),
+        now = next(r for r in table.rows if r.strategy == self.strategy).tokens_per_second
+        self.switches.append(Switch(self._step, self.strategy.name, best.strategy.name, round(now * self.scale, 2),
                                     round(best.tokens_per_second, 2),
                                     f"ar probe: the draft matched {stats.matches} of {stats.rows} generated tokens; "
                                     f"re-planned: " + why(table)))
@@ -339,9 +352,9 @@ class AutoProposer:
             self._count_branches(self.inner)
             self.inner = self._make(new.strategy)
             self.inner.reset(list(committed), self.sampler)
-            if new.strategy.mode == "ar" and self._probing:
-                self.probe.restart()  # a new ar period: probe afresh, PROBE_STEPS from now
-                self._ar_steps = 0
+            if new.strategy.mode in TARGET_ONLY and self.strategy.mode not in TARGET_ONLY and self._probing:
+                self.probe.restart()  # a new period without the draft: probe afresh, PROBE_STEPS from now
+                self._ar_steps = 0  # (ar <-> ngram stays one period: the draft stayed idle)
         self.current = new
         self.scale = 1.0
         self._recent = []
