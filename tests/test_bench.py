@@ -32,7 +32,12 @@ def test_bench_reports_every_mode_and_checks_parity(tmp_path, exported, monkeypa
     assert "0 run(s) of mirrorsd's modes differ" in table
     assert result.ceilings and all(c.bandwidth_gb_s > 0 and c.tokens_per_second > 0 for c in result.ceilings)
     assert "Bandwidth ceiling" in table and "| ar |" in table.split("Bandwidth ceiling")[1]
+    checked = {r.mode: r for r in result.latency}  # auto ran, so its profile checks the fixed modes' predictions
+    assert set(checked) == {"ar", "sd", "mirror", "mirror-noexit"}, checked
+    assert all(r.prompts == 2 and r.predicted > 0 and r.measured > 0 for r in checked.values())
+    assert "Latency model vs this run" in table and "| sd | 2 |" in table.split("Latency model vs this run")[1]
     paths = write_outputs(result, "cmd")
+    assert {r["mode"] for r in json.loads(paths["latency"].read_text())} == set(checked)
     answers = [json.loads(line) for line in paths["answers"].read_text().splitlines()]
     assert len(answers) == 2 * len(options.modes) and all(a["choices"][0]["new_tokens"][0] > 0 for a in answers)
     for a in answers:  # why each answer ended: the token budget, or an EOS token before it
@@ -140,3 +145,31 @@ def test_bench_runs_auto_with_the_thread_split_its_profile_chooses(tmp_path, exp
     auto = [r for r in result.runs if r.mode == "auto"]
     assert auto and all(r.parity == "identical" for r in auto)
     assert all(r.stats["auto"]["threads"]["chosen"] == "1+1" for r in auto), auto[0].stats["auto"]["threads"]
+
+
+def test_latency_check_prices_each_run_from_its_own_acceptance():
+    """Hand-computed predictions: ar is one row; sd at alpha 0.5 and gamma 2 commits 1.75 tokens per step of two
+    draft forwards and a 3-row verify; ngram's windows are priced at their mean width."""
+    from types import SimpleNamespace
+
+    from mirrorsd.apps.latency_check import check, markdown_lines, predicted_tps
+    from mirrorsd.runtime.planner.latency import SplitCosts
+
+    costs = SplitCosts(target_threads=2, draft_threads=2, verify_s=(0.010, 0.011, 0.012, 0.014), exit_s=(0.0,) * 4,
+                       draft1_s=0.005, branch_fwd_s=0.006, branch_batch=2)
+    assert predicted_tps(costs, "ar", {"steps": 10}, 4) == 100.0
+    sd = {"steps": 10, "mean_accepted_tokens": 1.75, "reuse_rate": 0.0}
+    assert abs(predicted_tps(costs, "sd", sd, 2) - 1.75 / (2 * 0.005 + 0.012)) < 1e-6
+    ngram = {"steps": 10, "windows": 4, "drafted": 10, "accepted": 6}  # windows of 2.5 tokens, 16 tokens committed
+    assert abs(predicted_tps(costs, "ngram", ngram, 4) - 16 / (6 * 0.010 + 4 * 0.013)) < 1e-9
+    assert predicted_tps(costs, "sd", {"steps": 0}, 2) is None
+
+    def run(mode, decode, **stats):
+        return SimpleNamespace(mode=mode, stats={"decode_tokens_per_second": decode, **stats})
+
+    rows = check(costs, [run("ar", 80.0, steps=5), run("ar", 100.0, steps=5), run("sd", 100.0, **sd),
+                         run("auto", 1.0, steps=5)], 2)
+    assert [(r.mode, r.prompts) for r in rows] == [("ar", 2), ("sd", 1)]
+    assert abs(rows[0].error - (-0.10)) < 1e-9 and rows[1].error > 0.2
+    text = "\n".join(markdown_lines(rows, "2+2"))
+    assert "| ar | 2 | 100.00 | 90.00 | -10% |" in text and "(outside)" in text.split("| sd |")[1]

@@ -69,6 +69,8 @@ class BenchResult:
     machine: dict = field(default_factory=dict)
     ceilings: list = field(default_factory=list)  # mirrorsd.apps.bandwidth.Ceiling per thread count
     chat: bool = True  # prompts through the export's chat template; False: raw completion (it has none)
+    costs: object = None  # the profile's SplitCosts of the fixed modes' pipeline (measured when auto runs)
+    latency: list = field(default_factory=list)  # latency_check.CheckRow per fixed mode: predicted vs measured
 
 
 VARIANTS = {  # bench mode name -> GenerationConfig fields
@@ -159,6 +161,10 @@ def run_bench(options: BenchOptions, progress=True) -> BenchResult:
             if reference is not None and mode != "ar":
                 run.parity = classify_parity(reference.tokens, out.tokens, reference.margins)
             result.runs.append(run)
+    if result.costs is not None:
+        from mirrorsd.apps.latency_check import check
+
+        result.latency = check(result.costs, result.runs, options.gamma)
     result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     return result
 
@@ -254,6 +260,9 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
                 bar.update(1)
         bar.close()
         manifest = pipe.manifest
+        if "auto" in modes:  # auto plans from the profile anyway: check its latency model against the fixed modes
+            pipe.profile()
+            result.costs = pipe.planner.costs(pipe.thread_key)
     return outs, prompt_ids, manifest
 
 

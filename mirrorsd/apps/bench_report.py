@@ -63,6 +63,10 @@ def markdown(result: BenchResult, command: str) -> str:
             cells.append(f"{statistics.mean(vals):.2f}" if vals else "-")
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
     lines += _lookup_lines(result, categories)
+    if result.latency:
+        from mirrorsd.apps.latency_check import markdown_lines
+
+        lines += markdown_lines(result.latency, result.costs.split)
     lines += _ceiling_lines(result, rows)
     lines += _native_lines(result)
     if result.skipped:
@@ -236,6 +240,10 @@ def write_outputs(result: BenchResult, command: str, folder: Path | None = None)
     paths["markdown"].write_text(markdown(result, command), encoding="utf-8")
     paths["answers"].write_text("\n".join(json.dumps(a) for a in spec_bench_answers(result)) + "\n")
     paths["runs"].write_text(json.dumps([r.__dict__ for r in result.runs], indent=1))
+    if result.latency:
+        paths["latency"] = out / "latency_check.json"
+        paths["latency"].write_text(json.dumps([{**r.__dict__, "error": round(r.error, 4)} for r in result.latency],
+                                               indent=1))
     png = chart(result, out / "speedup.png")
     if png:
         paths["chart"] = png

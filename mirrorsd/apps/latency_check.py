@@ -1,0 +1,86 @@
+"""The latency model checked against a bench run: for each of mirrorsd's fixed modes, the decode speed the model
+predicts from the profile's costs and the acceptance *that run measured*, next to the speed it ran at.
+
+Auto ranks strategies by these predictions (runtime/planner/latency.py), so this table says how far its ranking can
+be trusted on this machine. Only the acceptance comes from the run (per prompt: sd and mirror's alpha from their
+mean accepted tokens, mirror's reuse rate, ngram's copied windows); every cost comes from the profile, measured
+before the run. Mode ngram's replay widths are not in a run's statistics, so its windows are priced at their mean
+width (the verify cost interpolated between the two row counts around it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mirrorsd.runtime.planner.latency import (Acceptance, SplitCosts, Strategy, alpha_from_mean_accepted,
+                                              predict)
+
+CHECKED = {"ar": ("ar", True), "sd": ("sd", True), "mirror": ("mirror", True), "mirror-noexit": ("mirror", False),
+           "ngram": ("ngram", True)}  # bench mode -> (latency-model mode, exit head)
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    mode: str
+    prompts: int
+    predicted: float  # mean over prompts of the predicted decode tokens/s
+    measured: float  # mean over prompts of the measured decode tokens/s
+
+    @property
+    def error(self) -> float:
+        """measured / predicted - 1: positive when the mode ran faster than predicted."""
+        return self.measured / self.predicted - 1.0 if self.predicted > 0 else float("inf")
+
+
+def predicted_tps(costs: SplitCosts, mode: str, stats: dict, gamma: int) -> float | None:
+    """Decode tokens/s the latency model predicts for one bench run of ``mode`` (a key of CHECKED), from ``costs``
+    and the acceptance in the run's ``stats`` (GenerationStats.to_dict()); None when the run took no step."""
+    kind, exit_head = CHECKED[mode]
+    steps = stats.get("steps", 0)
+    if not steps:
+        return None
+    if kind == "ar":
+        return 1.0 / costs.verify_s[0]
+    if kind == "ngram":
+        return _ngram_tps(costs, stats)
+    g = min(gamma, costs.max_gamma)
+    alpha = alpha_from_mean_accepted(stats["mean_accepted_tokens"], g)
+    reuse = stats.get("reuse_rate", 0.0)
+    strategy = Strategy(kind, g, exit_head=exit_head, streaming=bool(costs.stream_window_s))
+    return predict(costs, strategy, Acceptance(alpha, reuse, reuse, "bench run")).tokens_per_second
+
+
+def _ngram_tps(costs: SplitCosts, stats: dict) -> float:
+    steps, windows, drafted = stats["steps"], stats["windows"], stats["drafted"]
+    tokens = stats["accepted"] + steps
+    width = drafted / windows if windows else 0.0  # copied tokens per window, on average
+    low = min(int(width), costs.max_gamma)
+    high = min(low + 1, costs.max_gamma)
+    verify_window = costs.verify_s[low] + (width - low) * (costs.verify_s[high] - costs.verify_s[low])
+    seconds = (steps - windows) * costs.verify_s[0] + windows * verify_window
+    return tokens / seconds
+
+
+def check(costs: SplitCosts, runs: list, gamma: int) -> list[CheckRow]:
+    """One row per checked mode present in ``runs`` (bench PromptRun objects)."""
+    rows = []
+    for mode in CHECKED:
+        pairs = [(predicted_tps(costs, mode, r.stats, gamma), r.stats["decode_tokens_per_second"])
+                 for r in runs if r.mode == mode]
+        pairs = [(p, m) for p, m in pairs if p is not None]
+        if pairs:
+            rows.append(CheckRow(mode, len(pairs), sum(p for p, _ in pairs) / len(pairs),
+                                 sum(m for _, m in pairs) / len(pairs)))
+    return rows
+
+
+def markdown_lines(rows: list[CheckRow], split: str, limit: float = 0.15) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", f"Latency model vs this run (profile costs of the {split} split, each run's own acceptance; "
+                 f"the model's goal: within {limit:.0%}):", "",
+             "| mode | prompts | predicted decode tok/s | measured decode tok/s | error |", "|---|---|---|---|---|"]
+    for row in rows:
+        flag = "" if abs(row.error) <= limit else " (outside)"
+        lines.append(f"| {row.mode} | {row.prompts} | {row.predicted:.2f} | {row.measured:.2f} | "
+                     f"{row.error:+.0%}{flag} |")
+    return lines
