@@ -123,6 +123,23 @@ def cached_hf_folder(name: str | WeightSource, cache_dir: str | os.PathLike[str]
         return gguf_to_hf_folder(gguf_path, out_dir, progress)
 
 
+def converted_from(folder: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file a cached folder was converted from (``<cache>/gguf/<file>`` beside ``<cache>/hf/<name>``),
+    when its record names one and the file there still has the recorded size; else None."""
+    from mirrorsd.weights import GGUF_SUBDIR
+
+    folder = Path(folder)
+    try:
+        record = json.loads((folder / SOURCE_RECORD).read_text(encoding="utf-8"))
+        name, size = str(record["gguf_file"]), int(record["gguf_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    path = folder.parent.parent / GGUF_SUBDIR / name
+    if Path(name).name != name or not path.is_file() or path.stat().st_size != size:
+        return None
+    return path
+
+
 def _is_current(out_dir: Path, source: WeightSource) -> bool:
     record_path = out_dir / SOURCE_RECORD
     if not record_path.is_file():

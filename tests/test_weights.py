@@ -269,3 +269,26 @@ def test_real_smollm2_fetch_and_convert(tmp_path):
     stamp = (folder / SOURCE_RECORD).stat().st_mtime_ns
     assert cached_hf_folder("smollm2-135m", cache_dir=tmp_path, progress=False) == folder
     assert (folder / SOURCE_RECORD).stat().st_mtime_ns == stamp
+
+
+def test_a_converted_folder_names_the_gguf_it_came_from(tmp_path):
+    """converted_from: the GGUF beside a cached folder (<cache>/gguf/<file>) when the record names it and the file
+    still has the recorded size; None for a missing or damaged record, another size, or a name that is a path."""
+    import json
+
+    from mirrorsd.export.convert import SOURCE_RECORD, converted_from
+
+    folder, gguf = tmp_path / "hf" / "m", tmp_path / "gguf" / "m.Q4_K_M.gguf"
+    folder.mkdir(parents=True)
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"x" * 100)
+    assert converted_from(folder) is None  # no record
+    record = folder / SOURCE_RECORD
+    record.write_text(json.dumps({"format": 1, "gguf_file": gguf.name, "gguf_size": 100}))
+    assert converted_from(folder) == gguf
+    record.write_text(json.dumps({"format": 1, "gguf_file": gguf.name, "gguf_size": 99}))
+    assert converted_from(folder) is None  # another file under that name now
+    record.write_text(json.dumps({"format": 1, "gguf_file": "../gguf/" + gguf.name, "gguf_size": 100}))
+    assert converted_from(folder) is None
+    record.write_text("{not json")
+    assert converted_from(folder) is None
