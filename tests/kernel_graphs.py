@@ -102,8 +102,9 @@ def model_bytes(layers: list[Layer], domain: str, accuracy_level: int = 4, extra
             inits.append(numpy_helper.from_array(layer.B, f"B{i}"))
         inits.append(numpy_helper.from_array(layer.scales, f"S{i}"))
         optional = {3: "zero_points", 4: "g_idx", 5: "bias"}
-        values = {"zero_points": np.full(layer.N * -(-layer.K // 32), 0x88, np.uint8) if tweaks.get("zero_points")
-                  else layer.zero_points, "g_idx": np.arange(layer.K, dtype=np.int32) // 32 if tweaks.get("g_idx") else None,
+        packed_zero_points = np.full(layer.N * -(-layer.K // 32), 0x88, np.uint8)
+        values = {"zero_points": packed_zero_points if tweaks.get("zero_points") else layer.zero_points,
+                  "g_idx": np.arange(layer.K, dtype=np.int32) // 32 if tweaks.get("g_idx") else None,
                   "bias": layer.bias}
         for index, kind in optional.items():
             if values[kind] is not None:
