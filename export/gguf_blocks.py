@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mirrorsd.errors import ExportOptionError
-from mirrorsd.names import WEIGHT_BITS
+from mirrorsd.names import FLOAT_ZERO_POINT_WEIGHTS, WEIGHT_BITS
 
 MODES = ("exact", "widen", "requantize")
 BLOCK = 32
@@ -76,7 +76,8 @@ class Carried:
 @dataclass
 class BlockPlan:
     """Decides, tensor by tensor, whether a MatMul weight is carried from the GGUF or requantized; counts both
-    per graph role (``report``) for the manifest."""
+    per graph role (``report``) for the manifest, and the carried weights with float zero points
+    (names.FLOAT_ZERO_POINT_WEIGHTS)."""
 
     weights: object  # LazyWeights over a GGUFReader
     bits: int  # the export's bit width (4 or 8)
@@ -95,6 +96,8 @@ class BlockPlan:
         result = carried(reader, stored, bits) if bits else None
         tally = self.counts.setdefault(role, Counter())
         tally[f"gguf_carried.{kind}" if result else f"gguf_requantized.{kind}"] += 1
+        if result is not None and result.zero_points is not None:
+            tally[FLOAT_ZERO_POINT_WEIGHTS] += 1
         return result
 
     def _bits(self, kind: str) -> int | None:

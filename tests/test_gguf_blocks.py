@@ -300,3 +300,31 @@ def test_the_export_records_a_real_text_agreement_beside_the_random_ids(exports)
         assert 0.0 <= validation[f"{model}_quant_text_top1_agreement"] <= 1.0
     # the int8 draft of a GGUF whose blocks all carry at 8 bits but one: fp32 and int8 agree almost everywhere
     assert graphs["draft"]["validation"]["draft_quant_text_top1_agreement"] >= 0.9
+
+
+@pytest.mark.parametrize("mode", ["exact", "requantize"])
+def test_onnx_runtimes_kernel_is_checked_on_float_zero_points(k_exports, mode):
+    """With ONNX Runtime's own kernel, a target carrying float zero points is checked on that path too: sd/mirror
+    are refused where it is not row-invariant (it was not on the CPUs tried), else they emit ar's tokens."""
+    from mirrorsd import names
+    from mirrorsd.devices.ort_kernel_check import target_kernel_difference
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.errors import GenerationInputError
+    from mirrorsd.manifest import load_manifest
+    from mirrorsd.runtime import GenerationConfig, Pipeline
+
+    manifest = load_manifest(k_exports[mode])
+    carried = manifest.graph(names.SUFFIX).validation.get(names.FLOAT_ZERO_POINT_WEIGHTS, 0)
+    assert carried == (6 if mode == "exact" else 0)
+    difference, paths = target_kernel_difference(manifest)
+    assert ("float zero points" in paths) == (mode == "exact")
+    prompt = [1, 17, 42, 99, 7]
+    with Pipeline.load(k_exports[mode], DeviceRequest(kernels="ort")) as pipe:
+        assert pipe.placements["suffix"].kernels == "ort"
+        if difference > 0.0:
+            assert paths in pipe.inexact_windows()
+            with pytest.raises(GenerationInputError, match="would not reproduce"):
+                pipe.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=4))
+        else:
+            ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=16)).tokens
+            assert pipe.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=16)).tokens == ar
