@@ -87,8 +87,8 @@ def model_bytes(layers: list[Layer], domain: str, accuracy_level: int = 4, extra
     """A graph A -> MatMulNBits -> ... -> Y over ``layers``, its MatMulNBits nodes in ``domain``.
 
     A layer with float zero points passes them as input 3. tweaks: B_as_input (B a graph input, not an initializer),
-    zero_points (packed uint8 zero points 0x88 as input 3) / g_idx (add those inputs), free_k (A's last dimension
-    symbolic, so that a wrong one reaches the kernel)."""
+    zero_points (True: packed uint8 zero points 0x88 as input 3; an array: that array) / g_idx (add those inputs),
+    free_k (A's last dimension symbolic, so that a wrong one reaches the kernel)."""
     from onnx import TensorProto, helper, numpy_helper
 
     k_dim = "K" if tweaks.get("free_k") else layers[0].K
@@ -103,7 +103,9 @@ def model_bytes(layers: list[Layer], domain: str, accuracy_level: int = 4, extra
         inits.append(numpy_helper.from_array(layer.scales, f"S{i}"))
         optional = {3: "zero_points", 4: "g_idx", 5: "bias"}
         packed_zero_points = np.full(layer.N * -(-layer.K // 32), 0x88, np.uint8)
-        values = {"zero_points": packed_zero_points if tweaks.get("zero_points") else layer.zero_points,
+        given = tweaks.get("zero_points")
+        values = {"zero_points": given if isinstance(given, np.ndarray) else
+                  packed_zero_points if given else layer.zero_points,
                   "g_idx": np.arange(layer.K, dtype=np.int32) // 32 if tweaks.get("g_idx") else None,
                   "bias": layer.bias}
         for index, kind in optional.items():

@@ -193,6 +193,8 @@ BAD_NODES = [
     ({"extra_attributes": {"K": None}}, "attribute 'K' is missing"),
     ({"extra_attributes": {"N": 101}}, "B has shape [100, 7, 16]"),
     ({"zero_points": True}, "packed uint8 zero_points are given"),
+    ({"zero_points": np.zeros(3, np.float32)}, "zero_points has 3 values, expected N * ceil(K/32) = 700"),
+    ({"zero_points": np.zeros(700, np.float16)}, "zero_points are neither float nor uint8"),
     ({"g_idx": True}, "g_idx is given"),
     ({"B_as_input": True}, "B is not a constant initializer"),
 ]
