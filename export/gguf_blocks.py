@@ -52,7 +52,7 @@ BLOCK = 32
 EXACT_BITS = {"Q4_0": (4, 8), "Q5_0": (8,), "Q8_0": (8,), "Q4_K": (4,)}
 SCALE_BYTES = 2  # every format above starts its block with d as fp16
 SUPER_BLOCK = 256  # weights per K-quant block: 8 sub-blocks of 32
-K_QUANT_BITS = {"Q4_K": 4, "Q5_K": 5}  # K-quant type -> bits of its codes q
+K_QUANTS = ("Q4_K", "Q5_K")  # read by k_quant_parts (Q5_K: not carried, see the table above)
 
 
 def check_mode(value: str) -> str:
@@ -128,7 +128,7 @@ def carried(reader, stored: str, bits: int) -> Carried | None:
     tensor = reader.tensors[stored]
     n, k = reader.shape(stored)
     kind = tensor.tensor_type.name
-    weights_per_block = SUPER_BLOCK if kind in K_QUANT_BITS else BLOCK
+    weights_per_block = SUPER_BLOCK if kind in K_QUANTS else BLOCK
     if k % weights_per_block:
         return None
     blocks = np.asarray(tensor.data).reshape(n, k // weights_per_block, -1)  # [N, blocks, bytes per block]
@@ -136,7 +136,7 @@ def carried(reader, stored: str, bits: int) -> Carried | None:
     if order is None:
         return None
     blocks = blocks[order]
-    if kind in K_QUANT_BITS:
+    if kind in K_QUANTS:
         codes, scales, zero_points = with_zero_points(*k_quant_parts(blocks, kind))
         return Carried(bits, pack(codes, bits), scales, zero_points)
     scales = np.ascontiguousarray(blocks[..., :SCALE_BYTES]).view(np.float16)[..., 0].astype(np.float32)

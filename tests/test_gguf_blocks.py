@@ -328,3 +328,29 @@ def test_onnx_runtimes_kernel_is_checked_on_float_zero_points(k_exports, mode):
         else:
             ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=16)).tokens
             assert pipe.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=16)).tokens == ar
+
+
+def test_the_c_host_runs_carried_q4_k_with_mirrorsds_kernel(native_build, k_exports):
+    """libmirrorsd (runtime/native) loads mirrorsd's kernels in replace mode, so every MatMulNBits node, float zero
+    points included, runs there: C ar equals the Python runtime's ar and C sd emits C ar's tokens. Without the
+    kernels (ONNX Runtime's own) the C host applies the same float-zero-point check as Python."""
+    from mirrorsd.devices import kernels
+    from mirrorsd.devices.ort_kernel_check import target_kernel_difference
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.manifest import load_manifest
+    from mirrorsd.runtime import GenerationConfig, Pipeline
+    from mirrorsd.runtime.native import NativeModel
+
+    if kernels.unavailable_reason():
+        pytest.skip(f"mirrorsd's kernels cannot run here: {kernels.unavailable_reason()}")
+    folder, prompt = k_exports["exact"], [1, 250, 3, 3, 3, 100, 200, 12, 8, 17, 42]
+    with NativeModel(folder, native_build.library, kernels="mirrorsd") as native, \
+            Pipeline.load(folder, DeviceRequest(kernels="mirrorsd")) as pipe:
+        assert native.kernels == {"target": "mirrorsd", "draft": "mirrorsd"} and native.inexact_windows() == ""
+        c_ar = native.generate(prompt, mode="ar", max_new_tokens=24)
+        assert c_ar.tokens == pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=24)).tokens
+        assert native.generate(prompt, mode="sd", max_new_tokens=24, gamma=4).tokens == c_ar.tokens
+    difference, paths = target_kernel_difference(load_manifest(folder))
+    with NativeModel(folder, native_build.library, kernels="ort") as native:
+        assert native.kernels["target"] == "ort"
+        assert (paths in native.inexact_windows()) == (difference > 0.0)
