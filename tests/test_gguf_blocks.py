@@ -264,8 +264,11 @@ def test_every_mode_equals_ar_on_a_k_quant_export(k_exports, mode):
                 assert pipe.generate(prompt, GenerationConfig(mode=decoding, max_new_tokens=24)).tokens == ar
 
 
-def test_carrying_is_at_least_as_close_to_the_source(exports):
+@pytest.mark.parametrize("source", ["exports", "k_exports"])
+def test_carrying_is_at_least_as_close_to_the_source(source, request):
     """Fewer second roundings: the quantized target moves less from the (dequantized) GGUF model."""
+    exports = request.getfixturevalue(source)
+
     def effect(mode):
         validation = json.loads((exports[mode] / "mirrorsd.json").read_text())["graphs"]["suffix"]["validation"]
         return validation["target_quant_max_abs_diff"]
