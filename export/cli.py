@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="overrides --precision; an int4 draft beside an fp32/int8 target is the cheap-draft lever")
     flags.add(prec, E, "gguf_blocks", choices=("exact", "widen", "requantize"),
               help="a .gguf source's quantized blocks: exact carries the tensors whose format maps exactly onto the "
-                   "precision's MatMulNBits (int4: Q4_0; int8: Q4_0, Q5_0, Q8_0) instead of dequantizing and "
+                   "precision's MatMulNBits (int4: Q4_0, Q4_K with float zero points; int8: Q4_0, Q5_0, Q8_0) "
+                   "instead of dequantizing and "
                    "quantizing them again; widen also carries Q5_0/Q8_0 tensors at 8 bits in an int4 export; "
                    "requantize carries none. The manifest counts what was carried and what requantized, per format "
                    "(docs/quality.md)")

@@ -1,24 +1,35 @@
 """Carry a GGUF file's quantized blocks into MatMulNBits where they map exactly, instead of dequantizing them to
 float32 and quantizing them again (a second rounding on top of the file's own).
 
-MatMulNBits without a zero-point input stores, for each output column n and each block of 32 along K, unsigned codes
-c and one float32 scale s, and means w = (c - 2^(bits-1)) * s. That is also all that mirrorsd's kernels take
-(devices/kernels: bits 4 or 8, block 32, no zero points), so carried weights change nothing the kernels need for
-bitwise batch invariance. A GGUF block format maps exactly when its weight is d * (integer) with one fp16 d per
-32 weights; d is exact in float32 and the product rounds the same way as gguf's own dequantization:
+MatMulNBits stores, for each output column n and each block of 32 along K, unsigned codes c, one float32 scale s and
+optionally one float32 zero point zp, and means w = (c - zp) * s, with zp = 2^(bits-1) when no zero-point input is
+given. mirrorsd's kernels (devices/kernels: bits 4 or 8, block 32, no zero points or float ones) compute both forms
+row-invariantly, so carried weights change nothing the kernels need for bitwise batch invariance. A GGUF block
+format maps bitwise when its weight is d * (integer) with one fp16 d per 32 weights (d is exact in float32 and the
+product rounds the same way as gguf's own dequantization); Q4_K maps with a float zero point, equal up to float
+rounding:
 
-    GGUF type   its weight (per block of 32)            maps onto          codes c (scale s = d)
-    Q4_0        d * (q - 8),   q in 0..15               4-bit, 8-bit       q       | q + 120
-    Q5_0        d * (q - 16),  q in 0..31               8-bit              q + 112
-    Q8_0        d * q,         q in -128..127           8-bit              q + 128
-    Q4_1, Q5_1  d * q + m      (a float offset)         no: needs a float zero point, which the kernels refuse
-    Q4_K, Q5_K  d*sc_j * q - dmin*m_j per 32 (6-bit sc_j, m_j): the same float offset per sub-block; no
+    GGUF type   its weight (per block of 32)             maps onto             codes c, scale s, zero point
+    Q4_0        d * (q - 8),   q in 0..15                4-bit, 8-bit, exact   q | q + 120,  d
+    Q5_0        d * (q - 16),  q in 0..31                8-bit, exact          q + 112,      d
+    Q8_0        d * q,         q in -128..127            8-bit, exact          q + 128,      d
+    Q4_K        d*sc_j * q - dmin*m_j, q in 0..15        4-bit, float zero     q,  s = d*sc_j,  zp = dmin*m_j / s
+                (6-bit sc_j, m_j per sub-block j of 32)  point, not bitwise    (sc_j = 0: c = 0, s = dmin*m_j, zp = 1)
+    Q5_K        as Q4_K with q in 0..31                  no: 8 bits with a float zero point, which ONNX Runtime's CPU
+                                                         kernel refuses (export validation and hosts without
+                                                         mirrorsd's kernels would fail to load the graph)
+    Q4_1, Q5_1  d * q + m      (a float offset)          no (not carried yet: they would map as Q4_K does)
     Q6_K        d*sc_j * (q - 32) per 16 (int8 sc_j): two scales in one block of 32; no
     Q2_K, Q3_K, IQ*: no
 
+Q4_K's d*sc_j and dmin*m_j are exact in float32 (an fp16 times a 6-bit integer); gguf computes d*sc_j * q - dmin*m_j
+with one rounding, ONNX Runtime c*s - zp*s and mirrorsd's kernel s * sum (c - 8) q + (8 - zp) * s * sum q, so the
+carried weights differ from gguf's by a few float32 roundings of the block's magnitude (tests/test_gguf_blocks.py
+states the bound), never by a second quantization step.
+
 Modes (``mirrorsd-export --gguf-blocks``):
-    exact       carry a tensor whose format maps onto the export's own bit width (int4: Q4_0; int8: Q4_0, Q5_0,
-                Q8_0); requantize the others from their dequantized values (the default)
+    exact       carry a tensor whose format maps onto the export's own bit width (int4: Q4_0, Q4_K; int8: Q4_0,
+                Q5_0, Q8_0); requantize the others from their dequantized values (the default)
     widen       also carry at 8 bits what maps only onto 8 bits in an int4 export (Q5_0, Q8_0): larger than 4 bits,
                 without the second rounding
     requantize  dequantize and quantize every tensor again (the exporter before this module)
@@ -32,12 +43,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mirrorsd.errors import ExportOptionError
-from mirrorsd.names import WEIGHT_BITS
+from mirrorsd.names import FLOAT_ZERO_POINT_WEIGHTS, WEIGHT_BITS
 
 MODES = ("exact", "widen", "requantize")
 BLOCK = 32
-EXACT_BITS = {"Q4_0": (4, 8), "Q5_0": (8,), "Q8_0": (8,)}  # GGUF type -> MatMulNBits bit widths it maps onto
+# GGUF type -> MatMulNBits bit widths it maps onto (Q4_K: with float zero points, which ONNX Runtime's CPU kernel
+# takes at 4 bits only)
+EXACT_BITS = {"Q4_0": (4, 8), "Q5_0": (8,), "Q8_0": (8,), "Q4_K": (4,)}
 SCALE_BYTES = 2  # every format above starts its block with d as fp16
+SUPER_BLOCK = 256  # weights per K-quant block: 8 sub-blocks of 32
+K_QUANTS = ("Q4_K", "Q5_K")  # read by k_quant_parts (Q5_K: not carried, see the table above)
 
 
 def check_mode(value: str) -> str:
@@ -49,17 +64,20 @@ def check_mode(value: str) -> str:
 
 @dataclass(frozen=True)
 class Carried:
-    """A weight's MatMulNBits form: codes ``packed`` [N, K/32, 32*bits/8] uint8, ``scales`` [N, K/32] float32."""
+    """A weight's MatMulNBits form: codes ``packed`` [N, K/32, 32*bits/8] uint8, ``scales`` [N, K/32] float32, and
+    ``zero_points`` [N, K/32] float32 or None (then w = (c - 2^(bits-1)) * s)."""
 
     bits: int
     packed: np.ndarray
     scales: np.ndarray
+    zero_points: np.ndarray | None = None
 
 
 @dataclass
 class BlockPlan:
     """Decides, tensor by tensor, whether a MatMul weight is carried from the GGUF or requantized; counts both
-    per graph role (``report``) for the manifest."""
+    per graph role (``report``) for the manifest, and the carried weights with float zero points
+    (names.FLOAT_ZERO_POINT_WEIGHTS)."""
 
     weights: object  # LazyWeights over a GGUFReader
     bits: int  # the export's bit width (4 or 8)
@@ -78,6 +96,8 @@ class BlockPlan:
         result = carried(reader, stored, bits) if bits else None
         tally = self.counts.setdefault(role, Counter())
         tally[f"gguf_carried.{kind}" if result else f"gguf_requantized.{kind}"] += 1
+        if result is not None and result.zero_points is not None:
+            tally[FLOAT_ZERO_POINT_WEIGHTS] += 1
         return result
 
     def _bits(self, kind: str) -> int | None:
@@ -107,13 +127,18 @@ def carried(reader, stored: str, bits: int) -> Carried | None:
     permutation of the file's (then it is requantized)."""
     tensor = reader.tensors[stored]
     n, k = reader.shape(stored)
-    if k % BLOCK:
+    kind = tensor.tensor_type.name
+    weights_per_block = SUPER_BLOCK if kind in K_QUANTS else BLOCK
+    if k % weights_per_block:
         return None
-    blocks = np.asarray(tensor.data).reshape(n, k // BLOCK, -1)  # [N, K/32, bytes per block]
+    blocks = np.asarray(tensor.data).reshape(n, k // weights_per_block, -1)  # [N, blocks, bytes per block]
     order = row_order(reader, stored, n)
     if order is None:
         return None
     blocks = blocks[order]
+    if kind in K_QUANTS:
+        codes, scales, zero_points = with_zero_points(*k_quant_parts(blocks, kind))
+        return Carried(bits, pack(codes, bits), scales, zero_points)
     scales = np.ascontiguousarray(blocks[..., :SCALE_BYTES]).view(np.float16)[..., 0].astype(np.float32)
     values = block_integers(blocks, tensor.tensor_type)  # [N, K/32, 32] int16
     codes = (values + (1 << (bits - 1))).astype(np.uint8)
@@ -131,6 +156,48 @@ def block_integers(blocks: np.ndarray, kind) -> np.ndarray:
     return values.astype(np.int16)
 
 
+def k_quant_parts(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K blocks [N, nb, bytes] -> per sub-block of 32: codes q [N, nb*8, 32] uint8, scales d*sc_j and
+    offsets dmin*m_j [N, nb*8] float32 (both exact), so that gguf's weight is scale * q - offset.
+
+    A block: d fp16 | dmin fp16 | 12 bytes of 6-bit sc_j, m_j | (Q5_K: 32 bytes, bit j of byte i = bit 4 of
+    weight i of sub-block j) | 128 bytes, byte i of group g: weight i of sub-block 2g (low nibble), of 2g+1 (high)."""
+    n, nb, _ = blocks.shape
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)  # [N, nb]
+    dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    sc, m = sub_block_scales(blocks[..., 4:16])  # [N, nb, 8] each
+    high = blocks[..., 16:48] if kind == "Q5_K" else None
+    low = blocks[..., 48:176] if kind == "Q5_K" else blocks[..., 16:144]
+    low = low.reshape(n, nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (low & 0x0F).reshape(n, nb, 8, 32)  # sub-blocks 2g, 2g+1 of group g
+    if high is not None:
+        bit = high.reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+        q = q | ((bit & 1) << 4)
+    scales = d[..., None] * sc.astype(np.float32)  # [N, nb, 8]
+    offsets = dmin[..., None] * m.astype(np.float32)
+    return q.reshape(n, nb * 8, BLOCK).astype(np.uint8), scales.reshape(n, -1), offsets.reshape(n, -1)
+
+
+def sub_block_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 bytes [..., 12] of a K-quant block -> its 6-bit sc_j and m_j [..., 8] (j = sub-block). Bytes 0-3 hold
+    sc_0..3 and bytes 4-7 m_0..3 in their low 6 bits; bytes 8-11 hold the low 4 bits of sc_4..7 (low nibble) and of
+    m_4..7 (high nibble), whose top 2 bits are the top 2 bits of bytes 0-3 (sc) and 4-7 (m)."""
+    first, second, last = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([first & 0x3F, (last & 0x0F) | ((first >> 6) << 4)], axis=-1)
+    m = np.concatenate([second & 0x3F, (last >> 4) | ((second >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def with_zero_points(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray):
+    """scale * q - offset per block as MatMulNBits' (c - zp) * s: c = q, s = scale, zp = offset / scale. A block of
+    scale 0 is the constant -offset: codes 0, s = offset, zp = 1 (or all zero when the offset is 0 too)."""
+    constant = scales == 0
+    safe = np.where(constant, 1.0, scales).astype(np.float32)
+    zero_points = np.where(constant, np.where(offsets != 0, 1.0, 0.0), offsets / safe).astype(np.float32)
+    codes = np.where(constant[..., None], 0, codes).astype(np.uint8)
+    return codes, np.where(constant, offsets, scales).astype(np.float32), zero_points
+
+
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """codes [N, nb, 32] uint8 -> MatMulNBits' B [N, nb, 32*bits/8]: 4-bit codes two per byte, even k low."""
     if bits == 8:
@@ -146,10 +213,14 @@ def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     return out
 
 
-def dequantize_nbits(packed: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
-    """MatMulNBits' weights [N, K] as ONNX Runtime reads them: (c - 2^(bits-1)) * s in float32."""
-    codes = unpack(packed, bits).astype(np.float32) - np.float32(1 << (bits - 1))
+def dequantize_nbits(packed: np.ndarray, scales: np.ndarray, bits: int,
+                     zero_points: np.ndarray | None = None) -> np.ndarray:
+    """MatMulNBits' weights [N, K] as the operator defines them: (c - zp) * s in float32, zp = 2^(bits-1) when
+    ``zero_points`` (one float per scale) is None."""
     n = packed.shape[0]
+    center = np.float32(1 << (bits - 1)) if zero_points is None else \
+        zero_points.reshape(n, -1, 1).astype(np.float32)
+    codes = unpack(packed, bits).astype(np.float32) - center
     return (codes * scales.reshape(n, -1, 1).astype(np.float32)).reshape(n, -1)
 
 
@@ -182,10 +253,13 @@ def replace_matmuls(model, plan: BlockPlan, role: str, accuracy_level: int) -> i
         found = plan.carry(role, weight[:-2])
         if found is None or found.packed.shape[0] != n or found.scales.shape[1] * BLOCK != k:
             continue
-        names = (f"{weight}_Q{found.bits}", f"{weight}_scales")
+        names = [f"{weight}_Q{found.bits}", f"{weight}_scales"]
         graph.initializer.remove(inits.pop(weight))
         graph.initializer.extend([numpy_helper.from_array(found.packed, names[0]),
                                   numpy_helper.from_array(found.scales, names[1])])
+        if found.zero_points is not None:  # input 3, [N * K/32] as ONNX Runtime's contrib-op spec shapes it
+            names.append(f"{weight}_zero_points")
+            graph.initializer.append(numpy_helper.from_array(found.zero_points.reshape(-1), names[2]))
         new = helper.make_node("MatMulNBits", [node.input[0], *names], list(node.output),
                                name=f"{node.name}_Q{found.bits}", domain="com.microsoft", K=k, N=n,
                                bits=found.bits, block_size=BLOCK, accuracy_level=accuracy_level)

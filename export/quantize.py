@@ -62,8 +62,9 @@ def quantize_model(model, precision: str, kind: str = "target", attention: str =
     MatMul whose weight is an initializer becomes MatMulNBits (``attention``: the folder's ``Manifest.attention``). Each MatMul's result depends on its weight and the
     settings above only, so quantizing a graph piece by piece equals quantizing it whole.
     ``blocks``: a gguf_blocks.BlockPlan whose carried GGUF blocks replace quantizing the weights it maps exactly
-    (same bits, block and no zero points), counted under graph ``role``. ``rounding``: a rounding.RoundingOptions
-    that replaces ONNX Runtime's round-to-nearest by a scale search and/or an 8-bit LM head (same layout)."""
+    (same bits and block; float zero points for Q4_K), counted under graph ``role``. ``rounding``: a
+    rounding.RoundingOptions that replaces ONNX Runtime's round-to-nearest by a scale search and/or an 8-bit LM
+    head (same layout)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)

@@ -1,5 +1,5 @@
 """Round-to-nearest with a searched scale, for fp16/bf16/fp32 sources: the same MatMulNBits layout as quantize.py
-(symmetric, block 32, no zero points: what devices/kernels take), with each block's scale chosen to minimise its
+(symmetric, block 32, no zero points: fast on every host), with each block's scale chosen to minimise its
 error instead of taken from its largest magnitude.
 
     search "mse"     per block of 32: s = max|w| / d for d on a grid; keep the s whose codes

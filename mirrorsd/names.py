@@ -42,6 +42,9 @@ OPTIONAL_ROLES = (DRAFT_STATIC, DRAFT_STREAMING, EXIT_SPARSE)
 MANIFEST_FILE = "mirrorsd.json"
 PRECISIONS = ("fp32", "fp16", "int8", "int4")  # weight precisions of a model in an export (export/quantize.py);
 #                                               fp16: weights and compute in half precision (GPU targets)
+# validation count of a graph's MatMulNBits nodes with float zero points (carried GGUF Q4_K blocks): ONNX Runtime's own
+# kernel runs those through another, slower path, whose row invariance devices/ort_kernel_check.py measures apart
+FLOAT_ZERO_POINT_WEIGHTS = "float_zero_point_weights"
 WEIGHT_BITS = {"int8": 8, "int4": 4}  # bits per weight of the quantized precisions (MatMulNBits)
 TOKENIZER_DIR = "tokenizer"
 

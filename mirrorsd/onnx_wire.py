@@ -12,7 +12,7 @@ numbers never change once published; these are all the walk follows (from onnx.p
     NodeProto           attribute 5
     AttributeProto      t 5, g 6, tensors 10, graphs 11, sparse_tensor 22, sparse_tensors 23
     SparseTensorProto   values 1, indices 2                    (TensorProto)
-    TensorProto         name 8, external_data 13               (StringStringEntryProto: key 1, value 2)
+    TensorProto         data_type 2, name 8, external_data 13  (StringStringEntryProto: key 1, value 2)
 
 Used by runtime/graph_files.py (external data locations), the kernels library's graph rewrite (operator domains)
 and the device probes (tiny graphs built by hand).

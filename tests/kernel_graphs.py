@@ -1,8 +1,9 @@
 """Graphs of MatMulNBits layers for the kernel tests (weights quantized here in ONNX Runtime's layout), and sessions
 that run them with mirrorsd's kernel library registered.
 
-    B       uint8 [N, ceil(K/32), 32*bits/8]   4-bit: weight 2j in the low nibble of byte j, 2j+1 in the high one
-    scales  float [N * ceil(K/32)]             symmetric: w = (q - 2^(bits-1)) * scale
+    B            uint8 [N, ceil(K/32), 32*bits/8]   4-bit: weight 2j in the low nibble of byte j, 2j+1 in the high one
+    scales       float [N * ceil(K/32)]             symmetric: w = (q - 2^(bits-1)) * scale
+    zero_points  float [N * ceil(K/32)] or absent   asymmetric: w = (q - zero_point) * scale
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class Layer:
     dequantized: np.ndarray  # float32 [K, N], what B and scales stand for
     bias: np.ndarray | None  # float32 [N]
     bits: int
+    zero_points: np.ndarray | None = None  # float32 [N * kb], asymmetric layers only
 
     @property
     def K(self) -> int:
@@ -49,13 +51,34 @@ def quantize(w: np.ndarray, bits: int, bias: np.ndarray | None = None) -> Layer:
     return Layer(B, scales.reshape(-1), np.ascontiguousarray(dequantized), bias, bits)
 
 
-def random_layers(rng: np.random.Generator, dims: list[int], bits: int, bias: bool = False) -> list[Layer]:
-    """Layers dims[0] -> dims[1] -> ... with weights ~ N(0, 1/K)."""
+def quantize_asymmetric(w: np.ndarray, bits: int, bias: np.ndarray | None = None) -> Layer:
+    """Min-max quantization of w [K, N] per block of 32 along K with a float zero point per block, as a GGUF K-quant
+    block maps onto MatMulNBits: codes 0..2^bits-1, scale (max - min) / (2^bits - 1), zero point -min / scale
+    (a float, not rounded to a code). Blocks of one value get scale 0 and zero point 0."""
+    K, N = w.shape
+    kb = -(-K // BLOCK)
+    padded = np.zeros((kb * BLOCK, N), np.float32)
+    padded[:K] = w
+    blocks = padded.T.reshape(N, kb, BLOCK)  # [N, kb, 32]
+    low, high = blocks.min(axis=2), blocks.max(axis=2)
+    scales = ((high - low) / (2**bits - 1)).astype(np.float32)  # [N, kb]
+    safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
+    zero_points = np.where(scales > 0, -low / safe, 0.0).astype(np.float32)
+    q = np.clip(np.rint(blocks / safe[..., None] + zero_points[..., None]), 0, 2**bits - 1).astype(np.int32)
+    exact = (q - zero_points[..., None].astype(np.float64)) * scales[..., None]  # (c - zp) * s, not rounded
+    dequantized = exact.astype(np.float32).reshape(N, kb * BLOCK).T[:K]
+    B = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8) if bits == 4 else q.astype(np.uint8)
+    return Layer(B, scales.reshape(-1), np.ascontiguousarray(dequantized), bias, bits, zero_points.reshape(-1))
+
+
+def random_layers(rng: np.random.Generator, dims: list[int], bits: int, bias: bool = False,
+                  zero_points: bool = False) -> list[Layer]:
+    """Layers dims[0] -> dims[1] -> ... with weights ~ N(0, 1/K); with float zero points when ``zero_points``."""
     layers = []
     for K, N in zip(dims[:-1], dims[1:]):
         w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
         b = rng.standard_normal(N).astype(np.float32) * 0.1 if bias else None
-        layers.append(quantize(w, bits, b))
+        layers.append((quantize_asymmetric if zero_points else quantize)(w, bits, b))
     return layers
 
 
@@ -63,8 +86,9 @@ def model_bytes(layers: list[Layer], domain: str, accuracy_level: int = 4, extra
                 opset_domain: bool = True, **tweaks) -> bytes:
     """A graph A -> MatMulNBits -> ... -> Y over ``layers``, its MatMulNBits nodes in ``domain``.
 
-    tweaks: B_as_input (B a graph input, not an initializer), zero_points / g_idx (add those inputs), free_k (A's
-    last dimension symbolic, so that a wrong one reaches the kernel)."""
+    A layer with float zero points passes them as input 3. tweaks: B_as_input (B a graph input, not an initializer),
+    zero_points (True: packed uint8 zero points 0x88 as input 3; an array: that array) / g_idx (add those inputs),
+    free_k (A's last dimension symbolic, so that a wrong one reaches the kernel)."""
     from onnx import TensorProto, helper, numpy_helper
 
     k_dim = "K" if tweaks.get("free_k") else layers[0].K
@@ -78,8 +102,11 @@ def model_bytes(layers: list[Layer], domain: str, accuracy_level: int = 4, extra
             inits.append(numpy_helper.from_array(layer.B, f"B{i}"))
         inits.append(numpy_helper.from_array(layer.scales, f"S{i}"))
         optional = {3: "zero_points", 4: "g_idx", 5: "bias"}
-        values = {"zero_points": np.full(layer.N * -(-layer.K // 32), 0x88, np.uint8) if tweaks.get("zero_points")
-                  else None, "g_idx": np.arange(layer.K, dtype=np.int32) // 32 if tweaks.get("g_idx") else None,
+        packed_zero_points = np.full(layer.N * -(-layer.K // 32), 0x88, np.uint8)
+        given = tweaks.get("zero_points")
+        values = {"zero_points": given if isinstance(given, np.ndarray) else
+                  packed_zero_points if given else layer.zero_points,
+                  "g_idx": np.arange(layer.K, dtype=np.int32) // 32 if tweaks.get("g_idx") else None,
                   "bias": layer.bias}
         for index, kind in optional.items():
             if values[kind] is not None:
@@ -110,19 +137,33 @@ def activation_error_bound(layer: Layer, a: np.ndarray) -> np.ndarray:
     Each activation is rounded to the nearest step of its block (step s_b = max|a_b| / 127), so it moves by at
     most s_b / 2: the product moves by at most sum_b s_b / 2 * sum_{k in b} |w_kn|. The float steps (one rounding
     of w_scale * a_scale, one fma per block, the bias add) add at most (kb + 3) * 2^-24 times the sum of the
-    magnitudes involved, sum_b |w_scale a_scale d_b| + |bias| <= sum_k |a_k w_kn| + (rounding bound) + |bias|."""
+    magnitudes involved, sum_b |w_scale a_scale d_b| + |bias| <= sum_k |a_k w_kn| + (rounding bound) + |bias|.
+
+    With float zero points each block adds two terms that may cancel, w_scale a_scale d_b and u_b a_scale qsum_b
+    (u_b = (center - zp) w_scale, rounded twice when packed): each is at most (sum_{k in b} |a_k| + 16 s_b) *
+    (2^(bits-1) w_scale + |u_b|) in magnitude (|q_k| a_scale <= |a_k| + s_b / 2), and the six roundings per block
+    (u's two, two products, two fma) add at most (6 kb + 3) * 2^-24 times their sum plus the bias and the rounding
+    bound; the float32 rounding of the reference's own weights adds 2^-24 sum_k |a_k w_kn|."""
     K, N = layer.dequantized.shape
     kb = -(-K // BLOCK)
     padded = np.zeros((a.shape[0], kb * BLOCK))
     padded[:, :K] = a
-    steps = np.abs(padded.reshape(a.shape[0], kb, BLOCK)).max(axis=2) / 127.0  # [M, kb]
+    blocks = np.abs(padded.reshape(a.shape[0], kb, BLOCK))  # [M, kb, 32]
+    steps = blocks.max(axis=2) / 127.0  # [M, kb]
     w = np.zeros((kb * BLOCK, N))
     w[:K] = np.abs(layer.dequantized)
     column_mass = w.reshape(kb, BLOCK, N).sum(axis=1)  # [kb, N]
     rounding = steps / 2 @ column_mass
     bias = np.abs(layer.bias) if layer.bias is not None else 0.0
-    floats = (kb + 3) * 2.0**-24 * (np.abs(a) @ np.abs(layer.dequantized.astype(np.float64)) + rounding + bias)
-    return rounding + floats
+    product_mass = np.abs(a) @ np.abs(layer.dequantized.astype(np.float64))
+    if layer.zero_points is None:
+        return rounding + (kb + 3) * 2.0**-24 * (product_mass + rounding + bias)
+    scales = layer.scales.reshape(N, kb).T.astype(np.float64)  # [kb, N]
+    center = 2 ** (layer.bits - 1)
+    offsets = np.abs(center - layer.zero_points.reshape(N, kb).T.astype(np.float64)) * scales
+    activation_mass = blocks.sum(axis=2) + 16 * steps  # [M, kb]
+    term_mass = activation_mass @ (center * scales + offsets)  # [M, N]
+    return rounding + (6 * kb + 3) * 2.0**-24 * (term_mass + rounding + bias) + 2.0**-24 * product_mass
 
 
 def library_or_skip():

@@ -1,6 +1,8 @@
 """Lossless GGUF import: a GGUF's Q4_0 / Q5_0 / Q8_0 blocks become MatMulNBits weights that ONNX Runtime dequantizes
-bitwise to gguf's own dequantization; formats that do not map (Q4_1 here) are requantized, and the manifest counts
-both. The file is written by the ``gguf`` package (tests/tiny_gguf.py) and exported for real."""
+bitwise to gguf's own dequantization, and its Q4_K blocks MatMulNBits weights with float zero points equal to it up
+to float rounding; formats that do not map (Q4_1, Q5_K here) are requantized, and the manifest counts both. The files
+are written by the ``gguf`` package (tests/tiny_gguf.py; K-quant blocks built there by hand) and exported for
+real."""
 from __future__ import annotations
 
 import json
@@ -14,8 +16,17 @@ from tiny_models import build_model
 
 TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_1", "attn_output": "Q8_0", "ffn_gate": "Q4_0",
          "ffn_up": "Q4_0", "ffn_down": "Q5_0", "output": "Q4_0", "token_embd": "Q8_0"}
-CANNOT_SURVIVE = {("Q8_0", "int4"), ("Q5_0", "int4"), ("Q4_1", "int4"), ("Q4_1", "int8")}
+# K-quants need K to be a multiple of 256: a wider model (hidden 256, intermediate 512)
+K_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q5_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+           "ffn_up": "Q4_K", "ffn_down": "Q4_K", "output": "Q8_0", "token_embd": "Q8_0"}
+CANNOT_SURVIVE = {("Q8_0", "int4"), ("Q5_0", "int4"), ("Q4_1", "int4"), ("Q4_1", "int8"), ("Q4_K", "int4"),
+                  ("Q5_K", "int4")}
 HF_TO_KIND = {part: kind for kind, part in LAYER_TENSORS.items()}
+MODES = ("exact", "widen", "requantize")
+# Carried Q4_K weights may differ from gguf's by a few float32 roundings: zp = offset / s, c - zp, (c - zp) * s and
+# gguf's own d*sc*q - dmin*m each round once, so |error| <= 4 * 2^-24 * (|dmin m| + 15 |d sc|) per block of 32
+# (the block's magnitude; 4 units in the last place at most). ONNX Runtime's c*s - zp*s obeys the same bound.
+ROUNDINGS = 4
 
 
 @pytest.fixture(scope="module")
@@ -25,17 +36,32 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def exports(tiny_gguf, tmp_path_factory):
+def k_gguf(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("gguf-k")
+    return write_gguf(build_model(base / "hf", "qwen2", layers=2, hidden=256), base / "tiny-k.gguf", K_TYPES)
+
+
+def export_modes(source: Path, factory) -> dict[str, Path]:
     """{mode: export folder}: int4 target, int8 draft (the target's first layer)."""
     from mirrorsd.export.pipeline import ExportOptions, export
 
     out = {}
-    for mode in ("exact", "widen", "requantize"):
-        folder = tmp_path_factory.mktemp(mode) / "out"
-        export(ExportOptions(model=tiny_gguf, output=folder, target_precision="int4", draft_precision="int8",
+    for mode in MODES:
+        folder = factory.mktemp(mode) / "out"
+        export(ExportOptions(model=source, output=folder, target_precision="int4", draft_precision="int8",
                              draft_layers=1, gguf_blocks=mode))
         out[mode] = folder
     return out
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_gguf, tmp_path_factory):
+    return export_modes(tiny_gguf, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def k_exports(k_gguf, tmp_path_factory):
+    return export_modes(k_gguf, tmp_path_factory)
 
 
 def gguf_name(parameter: str) -> str:
@@ -53,11 +79,11 @@ def gguf_weights(path: Path) -> dict[str, tuple[str, np.ndarray]]:
     return {t.name: (t.tensor_type.name, dequantize(t.data, t.tensor_type)) for t in GGUFReader(str(path)).tensors}
 
 
-def nbits_nodes(graph_file: Path) -> dict[str, tuple[int, np.ndarray, np.ndarray]]:
+def nbits_nodes(graph_file: Path) -> dict[str, tuple[int, np.ndarray, np.ndarray, bool]]:
     """Model parameter -> (bits, the weight [K, N] ONNX Runtime computes with, the weight [N, K] dequantized from the
-    node's initializers as MatMulNBits defines it), for every MatMulNBits node. ONNX Runtime's: the node run alone on
-    an identity matrix in float32 (accuracy level 1), so its output is the dequantized weight (up to the sign of
-    zeros, which a sum of products does not keep)."""
+    node's initializers as MatMulNBits defines it, whether it has float zero points), for every MatMulNBits node.
+    ONNX Runtime's: the node run alone on an identity matrix in float32 (accuracy level 1), so its output is the
+    dequantized weight (up to the sign of zeros, which a sum of products does not keep)."""
     from mirrorsd.export.gguf_blocks import dequantize_nbits
 
     import onnx
@@ -71,7 +97,7 @@ def nbits_nodes(graph_file: Path) -> dict[str, tuple[int, np.ndarray, np.ndarray
         if node.op_type != "MatMulNBits":
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        assert len(node.input) == 3, "carried and quantized weights alike have no zero points"
+        assert len(node.input) in (3, 4), "no g_idx, no bias"
         k, n = attrs["K"], attrs["N"]
         one = helper.make_graph(
             [helper.make_node("MatMulNBits", ["a", *node.input[1:]], ["y"], domain="com.microsoft",
@@ -83,15 +109,17 @@ def nbits_nodes(graph_file: Path) -> dict[str, tuple[int, np.ndarray, np.ndarray
                                                        helper.make_opsetid("com.microsoft", 1)])
         session = ort.InferenceSession(single.SerializeToString(), providers=["CPUExecutionProvider"])
         parameter = node.input[1].rsplit(".T_Q", 1)[0]
-        packed, scales = (numpy_helper.to_array(inits[name]) for name in node.input[1:])
+        packed, scales, *zero_points = (numpy_helper.to_array(inits[name]) for name in node.input[1:])
+        if zero_points:
+            assert zero_points[0].dtype == np.float32 and zero_points[0].shape == (scales.size,)
         found[parameter] = (attrs["bits"], session.run(None, {"a": np.eye(k, dtype=np.float32)})[0],
-                            dequantize_nbits(packed, scales, attrs["bits"]))
+                            dequantize_nbits(packed, scales, attrs["bits"], *zero_points), bool(zero_points))
     return found
 
 
 def carried_as(mode: str, precision: str, kind: str) -> int | None:
     """The bit width a GGUF type is carried at, or None when it is requantized (gguf_blocks.py's table)."""
-    maps = {"Q4_0": (4, 8), "Q5_0": (8,), "Q8_0": (8,)}.get(kind, ())
+    maps = {"Q4_0": (4, 8), "Q5_0": (8,), "Q8_0": (8,), "Q4_K": (4,)}.get(kind, ())
     bits = {"int4": 4, "int8": 8}[precision]
     if mode == "requantize":
         return None
@@ -100,22 +128,43 @@ def carried_as(mode: str, precision: str, kind: str) -> int | None:
     return 8 if mode == "widen" and 8 in maps else None
 
 
-@pytest.mark.parametrize("mode", ["exact", "widen", "requantize"])
-def test_carried_blocks_dequantize_bitwise_to_gguf(exports, tiny_gguf, mode):
+def block_magnitude(path: Path, name: str) -> np.ndarray:
+    """|dmin m_j| + 15 |d sc_j| of each sub-block of 32 of the Q4_K tensor ``name`` [N, K/32], read by the module
+    under test's k_quant_parts (test_k_quant_parts_are_gguf_s_blocks checks it against gguf)."""
+    from gguf import GGUFReader
+
+    from mirrorsd.export.gguf_blocks import k_quant_parts
+
+    tensor = next(t for t in GGUFReader(str(path)).tensors if t.name == name)
+    n = int(tensor.shape[-1])
+    _, scales, offsets = k_quant_parts(np.asarray(tensor.data).reshape(n, -1, 144), "Q4_K")
+    return np.abs(offsets) + 15 * np.abs(scales)
+
+
+def check_export(folder: Path, source_path: Path, mode: str) -> None:
+    """Every MatMulNBits weight of every graph: carried ones equal the GGUF's (bitwise, or within ROUNDINGS for
+    Q4_K), in the node's initializers and in what ONNX Runtime computes; requantized ones have the export's width;
+    the manifest's counts match."""
     from mirrorsd import names
 
-    source = gguf_weights(tiny_gguf)
-    manifest = json.loads((exports[mode] / "mirrorsd.json").read_text())
+    source = gguf_weights(source_path)
+    manifest = json.loads((folder / "mirrorsd.json").read_text())
     assert manifest["export_options"]["gguf_blocks"] == mode
     for role, precision in ((names.PREFIX, "int4"), (names.SUFFIX, "int4"), (names.DRAFT, "int8")):
         expected_counts: dict[str, float] = {}
-        nodes = nbits_nodes(exports[mode] / names.graph_file(role))
+        nodes = nbits_nodes(folder / names.graph_file(role))
         assert nodes, f"{role} has MatMulNBits nodes"
-        for parameter, (bits, computed, defined) in nodes.items():
+        for parameter, (bits, computed, defined, has_zero_points) in nodes.items():
             kind, reference = source[gguf_name(parameter)]
             carried = carried_as(mode, precision, kind)
             bitwise = np.array_equal(defined.view(np.uint32), reference.view(np.uint32))
-            if carried:
+            assert has_zero_points == (carried is not None and kind == "Q4_K"), f"{role} {parameter} ({kind})"
+            if carried and kind == "Q4_K":  # float zero points: equal up to float rounding
+                bound = ROUNDINGS * 2.0**-24 * np.repeat(block_magnitude(source_path, gguf_name(parameter)), 32, 1)
+                assert bits == carried
+                assert np.all(np.abs(defined - reference) <= bound), f"{role} {parameter}"
+                assert np.all(np.abs(computed.T - reference) <= bound), f"ONNX Runtime computes with {parameter}"
+            elif carried:
                 assert bits == carried and bitwise, f"{role} {parameter} ({kind}) must be the GGUF's blocks"
                 assert np.array_equal(computed.T, reference), f"ONNX Runtime computes with {parameter} as stored"
             else:  # requantized: a block whose grid is a sub-grid of the new one re-rounds to itself (Q4_0 with
@@ -129,8 +178,97 @@ def test_carried_blocks_dequantize_bitwise_to_gguf(exports, tiny_gguf, mode):
         assert {k: v for k, v in validation.items() if k.startswith("gguf_")} == expected_counts
 
 
-def test_carrying_is_at_least_as_close_to_the_source(exports):
+@pytest.mark.parametrize("mode", MODES)
+def test_carried_blocks_dequantize_bitwise_to_gguf(exports, tiny_gguf, mode):
+    check_export(exports[mode], tiny_gguf, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_carried_q4_k_blocks_equal_gguf_up_to_float_rounding(k_exports, k_gguf, mode):
+    check_export(k_exports[mode], k_gguf, mode)
+    counts = json.loads((k_exports[mode] / "mirrorsd.json").read_text())["graphs"]["suffix"]["validation"]
+    assert counts.get("gguf_carried.Q4_K", 0) == (0 if mode == "requantize" else 6)  # q, k, o, gate, up, down
+    assert counts["gguf_requantized.Q5_K"] == 1
+
+
+@pytest.mark.parametrize("kind, block_bytes", [("Q4_K", 144), ("Q5_K", 176)])
+def test_k_quant_parts_are_gguf_s_blocks(kind, block_bytes):
+    """Random bytes (every bit pattern of the packed 6-bit scales, random codes) under random finite fp16 d and
+    dmin of either sign: scale * q - offset is gguf's dequantization bitwise, and the zero-point form within
+    ROUNDINGS; sub-blocks of scale 0 (with and without an offset) included."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    from mirrorsd.export.gguf_blocks import dequantize_nbits, k_quant_parts, pack, with_zero_points
+
+    rng = np.random.default_rng(3)
+    n, nb = 64, 4
+    raw = rng.integers(0, 256, size=(n, nb, block_bytes), dtype=np.uint8)
+    d = (rng.standard_normal((n, nb, 2)) * np.exp2(rng.integers(-14, 4, (n, nb, 2)))).astype(np.float16)
+    raw[..., 0:4] = d.view(np.uint8).reshape(n, nb, 4)
+    raw[0, 0, 4] &= 0xC0  # sub-block 0 of the first block: sc = 0 (its m is random)
+    raw[0, 0, [5, 9]] &= 0xC0  # sub-block 1: sc = 0 and m = 0
+    reference = dequantize(raw.reshape(n, -1), GGMLQuantizationType[kind])  # [N, K]
+    q, scales, offsets = k_quant_parts(raw, kind)
+    assert q.max() == (15 if kind == "Q4_K" else 31)
+    product = scales[..., None] * q.astype(np.float32) - offsets[..., None]
+    assert np.array_equal(product.reshape(n, -1), reference)
+    codes, s, zero_points = with_zero_points(q, scales, offsets)
+    assert scales[0, 0] == 0 and offsets[0, 0] != 0 and scales[0, 1] == 0 and offsets[0, 1] == 0
+    bits = 4 if kind == "Q4_K" else 8
+    defined = dequantize_nbits(pack(codes, bits), s, bits, zero_points)
+    magnitude = np.abs(offsets) + int(q.max()) * np.abs(scales)
+    error = np.abs(defined - reference).reshape(n, -1, 32).max(axis=-1)
+    assert np.all(error <= ROUNDINGS * 2.0**-24 * magnitude)
+    assert np.array_equal(defined[0, :64], reference[0, :64])  # the constant and the zero sub-block: exact
+
+
+def test_onnx_runtime_refuses_8_bit_float_zero_points():
+    """Why Q5_K (8-bit codes with a float zero point) is requantized: ONNX Runtime's CPU MatMulNBits refuses such a
+    node, so export validation and hosts without mirrorsd's kernels could not load it. When this fails, ONNX Runtime
+    took them: Q5_K could be carried at 8 bits under --gguf-blocks widen."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    k, n = 32, 4
+    inits = [numpy_helper.from_array(np.zeros((n, 1, 32), np.uint8), "B"),
+             numpy_helper.from_array(np.ones(n, np.float32), "S"), numpy_helper.from_array(np.ones(n, np.float32), "Z")]
+    node = helper.make_node("MatMulNBits", ["a", "B", "S", "Z"], ["y"], domain="com.microsoft", K=k, N=n, bits=8,
+                            block_size=32)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    with pytest.raises(Exception, match="(?i)zero point"):
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_equals_ar_on_a_k_quant_export(k_exports, mode):
+    """sd and mirror reproduce ar token for token with mirrorsd's kernel, which runs the carried Q4_K weights
+    (float zero points) row-invariantly."""
+    from mirrorsd.devices import kernels
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.runtime import GenerationConfig, Pipeline
+
+    if kernels.unavailable_reason():
+        pytest.skip(f"mirrorsd's kernels cannot run here: {kernels.unavailable_reason()}")
+    with Pipeline.load(k_exports[mode], DeviceRequest(kernels="mirrorsd")) as pipe:
+        assert pipe.placements["suffix"].kernels == "mirrorsd"
+        for prompt in ([1, 17, 42, 99, 7], [1, 250, 3, 3, 3, 100, 200, 12, 8, 17, 42]):
+            ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=24)).tokens
+            assert ar, "ar generated tokens"
+            for decoding in ("sd", "mirror"):
+                assert pipe.generate(prompt, GenerationConfig(mode=decoding, max_new_tokens=24)).tokens == ar
+
+
+@pytest.mark.parametrize("source", ["exports", "k_exports"])
+def test_carrying_is_at_least_as_close_to_the_source(source, request):
     """Fewer second roundings: the quantized target moves less from the (dequantized) GGUF model."""
+    exports = request.getfixturevalue(source)
+
     def effect(mode):
         validation = json.loads((exports[mode] / "mirrorsd.json").read_text())["graphs"]["suffix"]["validation"]
         return validation["target_quant_max_abs_diff"]
@@ -165,3 +303,57 @@ def test_the_export_records_a_real_text_agreement_beside_the_random_ids(exports)
         assert 0.0 <= validation[f"{model}_quant_text_top1_agreement"] <= 1.0
     # the int8 draft of a GGUF whose blocks all carry at 8 bits but one: fp32 and int8 agree almost everywhere
     assert graphs["draft"]["validation"]["draft_quant_text_top1_agreement"] >= 0.9
+
+
+@pytest.mark.parametrize("mode", ["exact", "requantize"])
+def test_onnx_runtimes_kernel_is_checked_on_float_zero_points(k_exports, mode):
+    """With ONNX Runtime's own kernel, a target carrying float zero points is checked on that path too: sd/mirror
+    are refused where it is not row-invariant (it was not on the CPUs tried), else they emit ar's tokens."""
+    from mirrorsd import names
+    from mirrorsd.devices.ort_kernel_check import target_kernel_difference
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.errors import GenerationInputError
+    from mirrorsd.manifest import load_manifest
+    from mirrorsd.runtime import GenerationConfig, Pipeline
+
+    manifest = load_manifest(k_exports[mode])
+    carried = manifest.graph(names.SUFFIX).validation.get(names.FLOAT_ZERO_POINT_WEIGHTS, 0)
+    assert carried == (6 if mode == "exact" else 0)
+    difference, paths = target_kernel_difference(manifest)
+    assert ("float zero points" in paths) == (mode == "exact")
+    prompt = [1, 17, 42, 99, 7]
+    with Pipeline.load(k_exports[mode], DeviceRequest(kernels="ort")) as pipe:
+        assert pipe.placements["suffix"].kernels == "ort"
+        if difference > 0.0:
+            assert paths in pipe.inexact_windows()
+            with pytest.raises(GenerationInputError, match="would not reproduce"):
+                pipe.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=4))
+        else:
+            ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=16)).tokens
+            assert pipe.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=16)).tokens == ar
+
+
+def test_the_c_host_runs_carried_q4_k_with_mirrorsds_kernel(native_build, k_exports):
+    """libmirrorsd (runtime/native) loads mirrorsd's kernels in replace mode, so every MatMulNBits node, float zero
+    points included, runs there: C ar equals the Python runtime's ar and C sd emits C ar's tokens. Without the
+    kernels (ONNX Runtime's own) the C host applies the same float-zero-point check as Python."""
+    from mirrorsd.devices import kernels
+    from mirrorsd.devices.ort_kernel_check import target_kernel_difference
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.manifest import load_manifest
+    from mirrorsd.runtime import GenerationConfig, Pipeline
+    from mirrorsd.runtime.native import NativeModel
+
+    if kernels.unavailable_reason():
+        pytest.skip(f"mirrorsd's kernels cannot run here: {kernels.unavailable_reason()}")
+    folder, prompt = k_exports["exact"], [1, 250, 3, 3, 3, 100, 200, 12, 8, 17, 42]
+    with NativeModel(folder, native_build.library, kernels="mirrorsd") as native, \
+            Pipeline.load(folder, DeviceRequest(kernels="mirrorsd")) as pipe:
+        assert native.kernels == {"target": "mirrorsd", "draft": "mirrorsd"} and native.inexact_windows() == ""
+        c_ar = native.generate(prompt, mode="ar", max_new_tokens=24)
+        assert c_ar.tokens == pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=24)).tokens
+        assert native.generate(prompt, mode="sd", max_new_tokens=24, gamma=4).tokens == c_ar.tokens
+    difference, paths = target_kernel_difference(load_manifest(folder))
+    with NativeModel(folder, native_build.library, kernels="ort") as native:
+        assert native.kernels["target"] == "ort"
+        assert (paths in native.inexact_windows()) == (difference > 0.0)

@@ -58,6 +58,17 @@ def test_nodes_the_kernel_refuses_keep_onnx_runtimes_kernel():
         assert kernels.switch_domain(edited) == 0 and bytes(edited) == model
 
 
+def test_float_zero_points_are_switched_and_packed_uint8_ones_are_not(lib, monkeypatch):
+    layers = random_layers(np.random.default_rng(6), [200, 1000, 100], 4, bias=True, zero_points=True)
+    a = np.random.default_rng(7).standard_normal((5, 200)).astype(np.float32)
+    direct = run(open_session(model_bytes(layers, kernels.DOMAIN), monkeypatch), a)
+    switched = bytearray(model_bytes(layers, kernels.ORT_DOMAIN))
+    assert kernels.switch_domain(switched) == 2
+    np.testing.assert_array_equal(run(open_session(bytes(switched), monkeypatch), a), direct)
+    packed = model_bytes(random_layers(np.random.default_rng(6), [64, 32], 4), kernels.ORT_DOMAIN, zero_points=True)
+    assert kernels.switch_domain(bytearray(packed)) == 0
+
+
 def test_graph_from_onnx_runtimes_quantizer_with_external_data(lib, tmp_path, monkeypatch):
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper, numpy_helper

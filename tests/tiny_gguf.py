@@ -1,5 +1,6 @@
 """A tiny Qwen2 GGUF file written with the ``gguf`` package: the tiny random model of tiny_models.py, its tokenizer,
-and its weights quantized per tensor to the GGUF types asked for (gguf.quants), everything else float32."""
+and its weights quantized per tensor to the GGUF types asked for (gguf.quants; Q4_K and Q5_K, which gguf.quants
+cannot quantize, by k_quant_blocks here), everything else float32."""
 from __future__ import annotations
 
 import json
@@ -37,6 +38,8 @@ def write_gguf(hf_folder: Path, path: Path, types: dict[str, str], default: str 
         data = np.ascontiguousarray(array, np.float32)
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, data)
+        elif qtype.name in K_QUANT_LEVELS:
+            writer.add_tensor(name, k_quant_blocks(data, qtype.name), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
@@ -56,6 +59,36 @@ def write_gguf(hf_folder: Path, path: Path, types: dict[str, str], default: str 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+K_QUANT_LEVELS = {"Q4_K": 15, "Q5_K": 31}  # largest code q
+
+
+def k_quant_blocks(w: np.ndarray, kind: str) -> np.ndarray:
+    """w [N, K] (K a multiple of 256) as Q4_K or Q5_K blocks [N, K/256 * bytes], quantized min-max per sub-block of
+    32 with 6-bit sub-block scales and mins under fp16 d and dmin (llama.cpp's layout, a simpler search). The first
+    row's first sub-block gets sc = 0 (a constant block, -dmin*m) and its second sc = m = 0 (zeros): the corners."""
+    top = K_QUANT_LEVELS[kind]
+    n, k = w.shape
+    sub = w.reshape(n, k // 256, 8, 32).astype(np.float64)
+    offset = -np.minimum(sub.min(axis=-1), 0.0)  # [N, nb, 8], >= 0
+    scale = (sub.max(axis=-1) + offset) / top
+    d = (scale.max(axis=-1) / 63).astype(np.float16)  # [N, nb]
+    dmin = (offset.max(axis=-1) / 63).astype(np.float16)
+    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1)[..., None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(offset / np.where(dmin > 0, dmin, 1)[..., None]), 0, 63).astype(np.uint8)
+    sc[0, 0, 0], sc[0, 0, 1], m[0, 0, 1] = 0, 0, 0
+    step = d.astype(np.float64)[..., None] * sc
+    shifted = sub + (dmin.astype(np.float64)[..., None] * m)[..., None]
+    q = np.clip(np.rint(shifted / np.where(step > 0, step, 1)[..., None]), 0, top).astype(np.uint8)  # [N, nb, 8, 32]
+    scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)  # [N, nb, 12]
+    low = (q[..., 0::2, :] & 0x0F) | ((q[..., 1::2, :] & 0x0F) << 4)  # [N, nb, 4, 32]
+    parts = [d.view(np.uint8).reshape(n, -1, 2), dmin.view(np.uint8).reshape(n, -1, 2), scales]
+    if kind == "Q5_K":
+        parts.append(np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8).reshape(8, 1), axis=-2))
+    parts.append(low.reshape(n, -1, 128))
+    return np.concatenate(parts, axis=-1).astype(np.uint8).reshape(n, -1)
 
 
 def _add_tokenizer(writer, hf_folder: Path, config: dict) -> None:

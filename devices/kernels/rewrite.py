@@ -8,8 +8,11 @@ is appended to the top-level ModelProto when missing (protobuf fields may come i
     ModelProto  opset_import 8 -> OperatorSetIdProto { domain 1, version 2 }
     NodeProto   op_type 4, domain 7          (found with mirrorsd/onnx_wire.py's field walker)
 
-A node whose inputs the kernel refuses (zero points, g_idx) or whose attributes it does not handle (bits other than
-4 and 8, block_size other than 32) keeps ONNX Runtime's kernel.
+A node whose inputs the kernel refuses (zero points that are not a float initializer, such as packed uint8 ones;
+g_idx) or whose attributes it does not handle (bits other than 4 and 8, block_size other than 32) keeps ONNX
+Runtime's kernel. Float zero points are read from the initializers' data type:
+
+    TensorProto  data_type 2 (1 = FLOAT), name 8
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ _NODE_INPUT, _NODE_OP_TYPE, _NODE_ATTRIBUTE, _NODE_DOMAIN = 1, 4, 5, 7
 _ATTRIBUTE_NAME, _ATTRIBUTE_INT = 1, 3
 _MODEL_OPSET_IMPORT, _OPSET_DOMAIN, _OPSET_VERSION = 8, 1, 2
 _SUPPORTED = {b"bits": (4, 8), b"block_size": (32,)}
-_REFUSED_INPUTS = (3, 4)  # zero_points, g_idx
+_ZERO_POINTS, _GROUP_INDEX = 3, 4  # input indices
+_TENSOR_DATA_TYPE, _TENSOR_NAME, _FLOAT = 2, 8, 1
 
 
 def switch_domain(model: bytearray, to: str = DOMAIN) -> int:
@@ -78,6 +82,7 @@ def external_data_config(path: Path) -> dict[str, str]:
 def _matmul_nbits_domains(model, source: bytes) -> list[tuple[int, int]]:
     """(start, end) of the domain string of every supported MatMulNBits node in domain ``source``."""
     spans = []
+    float_tensors = None  # names of float initializers, read when a node has zero points
     for start, end in messages(model, "node"):
         op_type = domain = None
         inputs, attributes = [], {}
@@ -92,16 +97,35 @@ def _matmul_nbits_domains(model, source: bytes) -> list[tuple[int, int]]:
                 inputs.append(bytes(model[lo:hi]))
             elif field == _NODE_ATTRIBUTE:
                 attributes.update(_int_attribute(model, lo, hi))
-        if op_type == OP_TYPE and domain and bytes(model[domain[0]:domain[1]]) == source \
-                and _supported(inputs, attributes):
+        if op_type != OP_TYPE or not domain or bytes(model[domain[0]:domain[1]]) != source:
+            continue
+        zero_points = inputs[_ZERO_POINTS] if len(inputs) > _ZERO_POINTS else b""
+        if zero_points and float_tensors is None:
+            float_tensors = _float_tensors(model)
+        if _supported(inputs, attributes, not zero_points or zero_points in float_tensors):
             spans.append(domain)
     return spans
 
 
-def _supported(inputs: list[bytes], attributes: dict[bytes, int]) -> bool:
-    if any(len(inputs) > i and inputs[i] for i in _REFUSED_INPUTS):
+def _supported(inputs: list[bytes], attributes: dict[bytes, int], float_zero_points: bool) -> bool:
+    if not float_zero_points or (len(inputs) > _GROUP_INDEX and inputs[_GROUP_INDEX]):
         return False
     return all(attributes.get(name) in allowed for name, allowed in _SUPPORTED.items())
+
+
+def _float_tensors(model) -> set[bytes]:
+    """Names of the model's float32 tensors (initializers, and tensors inside attributes)."""
+    names = set()
+    for start, end in messages(model, "tensor"):
+        name, data_type = None, None
+        for field, wire, lo, hi in fields(model, start, end):
+            if field == _TENSOR_NAME and wire == LENGTH_DELIMITED:
+                name = bytes(model[lo:hi])
+            elif field == _TENSOR_DATA_TYPE and wire == 0:
+                data_type = read_varint(model, lo, hi)[0]
+        if name and data_type == _FLOAT:
+            names.add(name)
+    return names
 
 
 def _int_attribute(model, start: int, end: int) -> dict[bytes, int]:

@@ -220,12 +220,12 @@ class NativeModel:
         if manifest.attention != "grouped" or precision not in ("int4", "int8") or self.kernels["target"] != "ort" \
                 or "CPU" not in self.placement["target"]:
             return ""
-        from mirrorsd.devices.ort_kernel_check import ort_int8_kernel_difference
+        from mirrorsd.devices.ort_kernel_check import target_kernel_difference
 
-        difference = ort_int8_kernel_difference()
+        difference, paths = target_kernel_difference(manifest)
         if difference == 0.0:
             return ""
-        return (f"the {precision} target runs ONNX Runtime's MatMulNBits kernel with int8 activations (no "
+        return (f"the {precision} target runs ONNX Runtime's MatMulNBits kernel with {paths} (no "
                 f"kernels_library), whose one-row path differs from its several-row path on this CPU (by "
                 f"{difference:.1e} per layer), so verification windows drift from one-row decoding")
 

@@ -32,6 +32,7 @@ void quantize_rows(const Path& path, const float* a, int64_t rows, const Shape& 
   out.q.resize(static_cast<size_t>(rows * shape.kb * kBlock));
   out.scale.resize(static_cast<size_t>(rows * shape.kb));
   out.corr.resize(static_cast<size_t>(rows * shape.kb));
+  out.qsum.resize(shape.offsets ? static_cast<size_t>(rows * shape.kb) : 0);
   for (int64_t m = 0; m < rows; ++m) {
     const float* row = a + m * shape.K;
     for (int64_t b = 0; b < shape.kb; ++b) {
@@ -39,14 +40,18 @@ void quantize_rows(const Path& path, const float* a, int64_t rows, const Shape& 
       (n == kBlock ? path.quantize_block : quantize_block_scalar)(row + b * kBlock, n, shape.zero_point(),
                                                                   out.q.data() + at * kBlock, out.scale.data() + at,
                                                                   out.corr.data() + at);
+      if (shape.offsets) out.qsum[static_cast<size_t>(at)] = static_cast<float>(-out.corr[at] / shape.zero_point());
     }
   }
 }
 
+int64_t interleaved_block_bytes(const Shape& shape, int64_t width) {
+  return width * kBlock * shape.bits / 8 + width * 4 * (shape.offsets ? 2 : 1);  // weights, scales (, offsets)
+}
+
 size_t interleaved_bytes(const Shape& shape, int64_t width) {
   const int64_t groups = (shape.N + width - 1) / width;
-  const int64_t block = width * kBlock * shape.bits / 8 + width * 4;  // weights + scales
-  return static_cast<size_t>(groups * shape.kb * block);
+  return static_cast<size_t>(groups * shape.kb * interleaved_block_bytes(shape, width));
 }
 
 namespace {
@@ -60,19 +65,21 @@ inline unsigned weight(const Shape& s, const uint8_t* b, int64_t n, int64_t blk,
 
 }  // namespace
 
-void pack_interleaved(const Shape& s, const uint8_t* b, const float* scales, int64_t width, uint8_t flip,
-                      uint8_t* out) {
+void pack_interleaved(const Shape& s, const uint8_t* b, const float* scales, const float* zero_points,
+                      int64_t width, uint8_t flip, uint8_t* out) {
   const int64_t groups = (s.N + width - 1) / width;
   const int64_t wbytes = width * kBlock * s.bits / 8;
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t blk = 0; blk < s.kb; ++blk) {
       uint8_t* w = out;
       float* sc = reinterpret_cast<float*>(out + wbytes);
-      out += wbytes + width * 4;
+      float* offsets = sc + width;  // only for a shape with offsets
+      out += interleaved_block_bytes(s, width);
       for (int64_t c = 0; c < width; ++c) {
         const int64_t n = g * width + c;
         const bool real = n < s.N;
         sc[c] = real ? scales[n * s.kb + blk] : 0.0f;
+        if (s.offsets) offsets[c] = real ? offset(s, zero_points[n * s.kb + blk], sc[c]) : 0.0f;
         for (int64_t v = 0; v < (s.bits == 4 ? 4 : 8); ++v) {
           for (int64_t j = 0; j < 4; ++j) {
             uint8_t* dst = w + v * 4 * width + 4 * c + j;
@@ -92,17 +99,21 @@ void pack_interleaved(const Shape& s, const uint8_t* b, const float* scales, int
 
 namespace {
 
-// Scalar reference: B kept in ONNX Runtime's layout (a plain copy), weights | scales.
-size_t scalar_bytes(const Shape& s) { return static_cast<size_t>(s.N * s.kb * (s.blob() + 4)); }
+// Scalar reference: B kept in ONNX Runtime's layout (a plain copy), weights | scales [N][kb] (| offsets [N][kb]).
+size_t scalar_bytes(const Shape& s) { return static_cast<size_t>(s.N * s.kb * (s.blob() + (s.offsets ? 8 : 4))); }
 
-void scalar_pack(const Shape& s, const uint8_t* b, const float* scales, uint8_t* out) {
+void scalar_pack(const Shape& s, const uint8_t* b, const float* scales, const float* zero_points, uint8_t* out) {
   std::memcpy(out, b, static_cast<size_t>(s.N * s.kb * s.blob()));
   std::memcpy(out + s.N * s.kb * s.blob(), scales, static_cast<size_t>(s.N * s.kb * 4));
+  float* offsets = reinterpret_cast<float*>(out + s.N * s.kb * (s.blob() + 4));
+  if (s.offsets)
+    for (int64_t i = 0; i < s.N * s.kb; ++i) offsets[i] = offset(s, zero_points[i], scales[i]);
 }
 
 void scalar_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
                  const float* bias, float* y) {
   const float* scales = reinterpret_cast<const float*>(packed + s.N * s.kb * s.blob());
+  const float* offsets = scales + s.N * s.kb;  // only for a shape with offsets
   for (int64_t m = 0; m < a.rows; ++m) {
     for (int64_t n = g0; n < g1; ++n) {
       float acc = 0.0f;
@@ -112,6 +123,7 @@ void scalar_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, 
         for (int64_t k = 0; k < kBlock; ++k) d += static_cast<int32_t>(weight(s, packed, n, blk, k)) * q[k];
         const float both = scales[n * s.kb + blk] * a.block_scale(m, blk);
         acc = std::fma(static_cast<float>(d), both, acc);
+        if (s.offsets) acc = std::fma(a.block_qsum(m, blk), offsets[n * s.kb + blk] * a.block_scale(m, blk), acc);
       }
       y[m * s.N + n] = bias ? acc + bias[n] : acc;
     }

@@ -6,7 +6,8 @@
 //       A = the rows' activations of the block (s8, rows 32 bytes apart: QuantizedRows' block-major layout, loaded
 //           as it lies), B = the block's weights as 8 rows of 16 columns x 4 k (u8: the AVX-512 path's 8 unpacked
 //           vectors, stored once to a small buffer for 4-bit weights; 8-bit weights are loaded where they lie);
-//   then per row the AVX-512 path's float steps: d = C + corr (exact), acc = fma(float(d), w_scale * a_scale, acc).
+//   then per row the AVX-512 path's float steps: d = C + corr (exact), acc = fma(float(d), w_scale * a_scale, acc)
+//   (and, with zero points, acc = fma(float(qsum), u * a_scale, acc)).
 //
 // The integer sums are exact whatever the order the tile unit adds them in, and the float steps are the same
 // instructions in the same block order, so every row agrees bit for bit with the other paths, whatever M. The weights
@@ -95,22 +96,27 @@ inline void block_product_1(const uint8_t* p, const QuantizedRows& a, int64_t m0
   _tile_dpbsud(1, 3, 5);
 }
 
-template <int MT>
+// wscale_at: the block's 16 scales, followed by its 16 offsets when OFFSETS.
+template <int MT, bool OFFSETS>
 inline void accumulate(const int32_t* c, const float* wscale_at, const QuantizedRows& a, int64_t m0, int64_t blk,
                        __m512 acc[MT]) {
   const __m512 wscale = _mm512_load_ps(wscale_at);
   for (int m = 0; m < MT; ++m) {
     const __m512i d = _mm512_add_epi32(_mm512_load_si512(c + 16 * m), _mm512_set1_epi32(a.block_corr(m0 + m, blk)));
-    const __m512 both = _mm512_mul_ps(wscale, _mm512_set1_ps(a.block_scale(m0 + m, blk)));
-    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), both, acc[m]);
+    const __m512 ascale = _mm512_set1_ps(a.block_scale(m0 + m, blk));
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(wscale, ascale), acc[m]);
+    if constexpr (OFFSETS) {  // step 3's second fma, as in the AVX-512 path
+      const __m512 offsets = _mm512_load_ps(wscale_at + kColumns);
+      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(a.block_qsum(m0 + m, blk)), _mm512_mul_ps(offsets, ascale), acc[m]);
+    }
   }
 }
 
-template <int MT, int BITS>
+template <int MT, int BITS, bool OFFSETS>
 void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int64_t m0, int64_t n0,
                const float* bias, float* y) {
   constexpr int64_t wbytes = kColumns * kBlock * BITS / 8;
-  constexpr int64_t stride = wbytes + kColumns * 4;
+  constexpr int64_t stride = wbytes + kColumns * 4 * (OFFSETS ? 2 : 1);  // weights | scales (| offsets)
   alignas(64) uint8_t buffer[kUnroll][512];
   alignas(64) int32_t c[kUnroll][16 * MT];
   __m512 acc[MT];
@@ -124,13 +130,13 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
     block_product_1<BITS>(p + stride, a, m0, blk + 1, buffer[1]);
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
-    accumulate<MT>(c[0], reinterpret_cast<const float*>(p + wbytes), a, m0, blk, acc);  // block order kept
-    accumulate<MT>(c[1], reinterpret_cast<const float*>(p + stride + wbytes), a, m0, blk + 1, acc);
+    accumulate<MT, OFFSETS>(c[0], reinterpret_cast<const float*>(p + wbytes), a, m0, blk, acc);  // block order kept
+    accumulate<MT, OFFSETS>(c[1], reinterpret_cast<const float*>(p + stride + wbytes), a, m0, blk + 1, acc);
   }
   if (blk < s.kb) {
     block_product_0<BITS>(p, a, m0, blk, buffer[0]);
     _tile_stored(0, c[0], 64);
-    accumulate<MT>(c[0], reinterpret_cast<const float*>(p + wbytes), a, m0, blk, acc);
+    accumulate<MT, OFFSETS>(c[0], reinterpret_cast<const float*>(p + wbytes), a, m0, blk, acc);
   }
   const int64_t valid = s.N - n0 < kColumns ? s.N - n0 : kColumns;
   const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
@@ -145,8 +151,8 @@ struct Traits {
   static constexpr int64_t kWidth = kColumns;
   static constexpr int kMaxTile = kRows;
   static constexpr uint8_t kFlip8 = 0;  // 8-bit weights unsigned, as the AVX-512 path packs them
-  template <int MT, int BITS>
-  static constexpr TileFn tile = tile_rows<MT, BITS>;
+  template <int MT, int BITS, bool OFFSETS>
+  static constexpr TileFn tile = tile_rows<MT, BITS, OFFSETS>;
 };
 
 // interleaved_gemm's loop, with the tile configuration loaded once per tile height and released at the end (the
@@ -154,10 +160,8 @@ struct Traits {
 void amx_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
               const float* bias, float* y) {
   if (a.rows < kTileFromRows) return avx512_path().gemm(s, packed, a, g0, g1, bias, y);  // the same bits, sooner
-  static constexpr auto tiles4 = tile_table<Traits, 4>(std::make_integer_sequence<int, kRows>());
-  static constexpr auto tiles8 = tile_table<Traits, 8>(std::make_integer_sequence<int, kRows>());
-  const auto& tiles = s.bits == 4 ? tiles4 : tiles8;
-  const int64_t panel_bytes = s.kb * (kColumns * kBlock * s.bits / 8 + kColumns * 4);
+  const auto& tiles = tiles_for<Traits, kRows>(s);
+  const int64_t panel_bytes = s.kb * interleaved_block_bytes(s, kColumns);
   const int64_t count = (a.rows + kRows - 1) / kRows;
   int64_t loaded = 0;
   for (int64_t g = g0; g < g1; ++g)
@@ -186,9 +190,8 @@ bool amx_ready() {
 const Path& amx_path() {
   static const Path path{"amx", kColumns, avx512_path().quantize_block,
                          [](const Shape& sh) { return interleaved_bytes(sh, kColumns); },
-                         [](const Shape& sh, const uint8_t* b, const float* scales, uint8_t* out) {
-                           pack_interleaved(sh, b, scales, kColumns, 0, out);
-                         },
+                         [](const Shape& sh, const uint8_t* b, const float* scales, const float* zero_points,
+                            uint8_t* out) { pack_interleaved(sh, b, scales, zero_points, kColumns, 0, out); },
                          amx_gemm};
   return path;
 }

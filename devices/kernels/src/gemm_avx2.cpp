@@ -77,17 +77,18 @@ inline void block_dots(const uint8_t* p, const int8_t* q, const int32_t* corr, _
   }
 }
 
-template <int MT, int BITS>
+template <int MT, int BITS, bool OFFSETS>
 void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int64_t m0, int64_t n0,
                const float* bias, float* y) {
   constexpr int64_t wbytes = kColumns * kBlock * BITS / 8;
-  constexpr int64_t stride = wbytes + kColumns * 4;
+  constexpr int64_t stride = wbytes + kColumns * 4 * (OFFSETS ? 2 : 1);  // weights | scales (| offsets)
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   const uint8_t* p = panel;
   const int8_t* q = a.block_q(m0, 0);
   const float* ascale = &a.scale[static_cast<size_t>(m0)];
   const int32_t* corr = &a.corr[static_cast<size_t>(m0)];
+  const float* qsum = OFFSETS ? &a.qsum[static_cast<size_t>(m0)] : nullptr;
   for (int64_t blk = 0; blk < s.kb; ++blk, p += stride, q += a.rows * kBlock, ascale += a.rows, corr += a.rows) {
     for (int64_t line = 0; line < stride; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * stride + line), _MM_HINT_T0);
@@ -97,7 +98,12 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
     for (int m = 0; m < MT; ++m) {
       const __m256 both = _mm256_mul_ps(wscale, _mm256_set1_ps(ascale[m]));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[m]), both, acc[m]);
+      if constexpr (OFFSETS) {  // step 3's second fma: + float(qsum) * (u * a_scale)
+        const __m256 offsets = _mm256_load_ps(reinterpret_cast<const float*>(p + wbytes) + kColumns);
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(qsum[m]), _mm256_mul_ps(offsets, _mm256_set1_ps(ascale[m])), acc[m]);
+      }
     }
+    if constexpr (OFFSETS) qsum += a.rows;
   }
   const int64_t valid = s.N - n0 < kColumns ? s.N - n0 : kColumns;
   for (int m = 0; m < MT; ++m) {
@@ -142,8 +148,8 @@ struct Traits {
   static constexpr int64_t kWidth = kColumns;
   static constexpr int kMaxTile = kRows;
   static constexpr uint8_t kFlip8 = 0x80;  // 8-bit weights packed signed w - 128 (see block_dots)
-  template <int MT, int BITS>
-  static constexpr TileFn tile = tile_rows<MT, BITS>;
+  template <int MT, int BITS, bool OFFSETS>
+  static constexpr TileFn tile = tile_rows<MT, BITS, OFFSETS>;
 };
 
 }  // namespace

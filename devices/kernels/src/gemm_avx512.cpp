@@ -52,11 +52,11 @@ constexpr int chains() {
   return MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);
 }
 
-template <int MT, int BITS>
+template <int MT, int BITS, bool OFFSETS>
 void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int64_t m0, int64_t n0,
                const float* bias, float* y) {
   constexpr int64_t wbytes = kColumns * kBlock * BITS / 8;
-  constexpr int64_t stride = wbytes + kColumns * 4;
+  constexpr int64_t stride = wbytes + kColumns * 4 * (OFFSETS ? 2 : 1);  // weights | scales (| offsets)
   constexpr int C = chains<MT>();
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
@@ -78,8 +78,12 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
     const __m512 wscale = _mm512_load_ps(reinterpret_cast<const float*>(p + wbytes));
     for (int m = 0; m < MT; ++m) {
       for (int c = 1; c < C; ++c) d[m][0] = _mm512_add_epi32(d[m][0], d[m][c]);
-      const __m512 both = _mm512_mul_ps(wscale, _mm512_set1_ps(a.block_scale(m0 + m, blk)));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[m][0]), both, acc[m]);
+      const __m512 ascale = _mm512_set1_ps(a.block_scale(m0 + m, blk));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[m][0]), _mm512_mul_ps(wscale, ascale), acc[m]);
+      if constexpr (OFFSETS) {  // step 3's second fma: + float(qsum) * (u * a_scale)
+        const __m512 offsets = _mm512_load_ps(reinterpret_cast<const float*>(p + wbytes) + kColumns);
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(a.block_qsum(m0 + m, blk)), _mm512_mul_ps(offsets, ascale), acc[m]);
+      }
     }
   }
   const int64_t valid = s.N - n0 < kColumns ? s.N - n0 : kColumns;
@@ -110,8 +114,8 @@ struct Traits {
   static constexpr int64_t kWidth = kColumns;
   static constexpr int kMaxTile = kRows;
   static constexpr uint8_t kFlip8 = 0;  // 8-bit weights packed unsigned, as ONNX Runtime stores them
-  template <int MT, int BITS>
-  static constexpr TileFn tile = tile_rows<MT, BITS>;
+  template <int MT, int BITS, bool OFFSETS>
+  static constexpr TileFn tile = tile_rows<MT, BITS, OFFSETS>;
 };
 
 }  // namespace

@@ -26,17 +26,12 @@ constexpr size_t kHugePage = size_t{2} << 20;
     if (_status) return _status;    \
   } while (0)
 
-struct TensorView {
-  void* data = nullptr;
-  std::vector<int64_t> dims;
-  int64_t count = 0;
-};
-
 OrtStatus* view(const OrtApi* api, const OrtValue* value, TensorView& out) {
   OrtTensorTypeAndShapeInfo* info = nullptr;
   MIRRORSD_RETURN_IF(api->GetTensorTypeAndShape(value, &info));
   size_t rank = 0;
-  OrtStatus* status = api->GetDimensionsCount(info, &rank);
+  OrtStatus* status = api->GetTensorElementType(info, &out.type);
+  if (!status) status = api->GetDimensionsCount(info, &rank);
   if (!status) {
     out.dims.assign(rank, 0);
     status = api->GetDimensions(info, out.dims.data(), rank);
@@ -161,30 +156,48 @@ OrtStatus* Kernel::read_attributes(const OrtKernelInfo* info) {
   return nullptr;
 }
 
-OrtStatus* Kernel::check_optional_inputs(const OrtKernelInfo* info) const {
-  if (input_present(api_, info, kZeroPoints))
-    return error(ORT_NOT_IMPLEMENTED, "zero_points are given (this kernel handles symmetric weights only)",
-                 "quantize with is_symmetric=True, or run the node with ONNX Runtime's own kernel");
+OrtStatus* Kernel::check_optional_inputs(const OrtKernelInfo* info) {
   if (input_present(api_, info, kGroupIndex))
     return error(ORT_NOT_IMPLEMENTED, "g_idx is given (act-order weights are not handled)",
                  "run the node with ONNX Runtime's own kernel");
+  shape_.offsets = input_present(api_, info, kZeroPoints);
+  return nullptr;
+}
+
+OrtStatus* Kernel::constant_input(const OrtKernelInfo* info, size_t index, const char* name, TensorView& out) const {
+  const OrtValue* value = nullptr;
+  int constant = 0;
+  OrtStatus* s = api_->KernelInfoGetConstantInput_tensor(info, index, &constant, &value);
+  if (s) api_->ReleaseStatus(s);
+  if (s || !constant)
+    return error(ORT_NOT_IMPLEMENTED, std::string(name) + " is not a constant initializer",
+                 "keep B, scales and zero_points as initializers (MatMulNBitsQuantizer does): they are packed once");
+  return view(api_, value, out);
+}
+
+// Float zero points, one per (column, block) like the scales; packed uint8 ones are refused.
+OrtStatus* Kernel::check_zero_points(const TensorView& zero_points) const {
+  if (zero_points.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8)
+    return error(ORT_NOT_IMPLEMENTED, "packed uint8 zero_points are given (this kernel handles float zero points, "
+                 "or none)", "give float zero points, quantize with is_symmetric=True, or run the node with ONNX "
+                 "Runtime's own kernel");
+  if (zero_points.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+    return error(ORT_INVALID_ARGUMENT, "zero_points are neither float nor uint8", "re-quantize the model");
+  const int64_t expected = shape_.N * shape_.kb;
+  if (zero_points.count != expected)
+    return error(ORT_INVALID_ARGUMENT, "zero_points has " + std::to_string(zero_points.count) +
+                 " values, expected N * ceil(K/32) = " + std::to_string(expected), "re-quantize the model");
   return nullptr;
 }
 
 OrtStatus* Kernel::pack_weights(const OrtKernelInfo* info) {
-  const OrtValue* values[2] = {nullptr, nullptr};
-  const size_t inputs[2] = {kB, kScales};
-  for (int i = 0; i < 2; ++i) {
-    int constant = 0;
-    OrtStatus* s = api_->KernelInfoGetConstantInput_tensor(info, inputs[i], &constant, &values[i]);
-    if (s) api_->ReleaseStatus(s);
-    if (s || !constant)
-      return error(ORT_NOT_IMPLEMENTED, std::string(i ? "scales" : "B") + " is not a constant initializer",
-                   "keep B and scales as initializers (MatMulNBitsQuantizer does): they are packed once");
+  TensorView b, scales, zero_points;
+  MIRRORSD_RETURN_IF(constant_input(info, kB, "B", b));
+  MIRRORSD_RETURN_IF(constant_input(info, kScales, "scales", scales));
+  if (shape_.offsets) {
+    MIRRORSD_RETURN_IF(constant_input(info, kZeroPoints, "zero_points", zero_points));
+    MIRRORSD_RETURN_IF(check_zero_points(zero_points));
   }
-  TensorView b, scales;
-  MIRRORSD_RETURN_IF(view(api_, values[0], b));
-  MIRRORSD_RETURN_IF(view(api_, values[1], scales));
   const Shape& s = shape_;
   if (b.count != s.N * s.kb * s.blob() || b.dims.empty() || b.dims[0] != s.N)
     return error(ORT_INVALID_ARGUMENT, "B has shape " + shape_text(b.dims) + ", expected [" + std::to_string(s.N) +
@@ -197,7 +210,8 @@ OrtStatus* Kernel::pack_weights(const OrtKernelInfo* info) {
   packed_.reset(allocate_packed(packed_bytes_));
   if (!packed_)
     return error(ORT_FAIL, "cannot allocate " + std::to_string(packed_bytes_) + " bytes for packed B", "free memory");
-  path_->pack(s, static_cast<const uint8_t*>(b.data), static_cast<const float*>(scales.data), packed_.get());
+  path_->pack(s, static_cast<const uint8_t*>(b.data), static_cast<const float*>(scales.data),
+              static_cast<const float*>(zero_points.data), packed_.get());
   groups_ = (s.N + path_->group - 1) / path_->group;
   const int64_t group_bytes = static_cast<int64_t>(packed_bytes_) / groups_;
   groups_per_task_ = group_bytes >= kTaskBytes ? 1 : kTaskBytes / group_bytes;

@@ -3,6 +3,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "onnxruntime_c_api.h"
 #include "qgemm.hpp"
@@ -19,6 +20,14 @@ enum Input : size_t { kA = 0, kB = 1, kScales = 2, kZeroPoints = 3, kGroupIndex 
 // "avx512vnni", "avx2", "scalar"). Returns null and says why when the requested path cannot run here.
 const Path* select_path(std::string& why);
 
+// A tensor's data, dimensions, element count and element type (read through the API).
+struct TensorView {
+  void* data = nullptr;
+  std::vector<int64_t> dims;
+  int64_t count = 0;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+};
+
 struct FreeDeleter {
   void operator()(uint8_t* p) const;
 };
@@ -33,7 +42,9 @@ class Kernel {
   Kernel(const OrtApi* api, std::string node) : api_(api), node_(std::move(node)) {}
   OrtStatus* error(OrtErrorCode code, const std::string& what, const std::string& fix) const;
   OrtStatus* read_attributes(const OrtKernelInfo* info);
-  OrtStatus* check_optional_inputs(const OrtKernelInfo* info) const;
+  OrtStatus* check_optional_inputs(const OrtKernelInfo* info);
+  OrtStatus* constant_input(const OrtKernelInfo* info, size_t index, const char* name, TensorView& out) const;
+  OrtStatus* check_zero_points(const TensorView& zero_points) const;
   OrtStatus* pack_weights(const OrtKernelInfo* info);
 
   const OrtApi* api_;

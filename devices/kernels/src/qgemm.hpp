@@ -1,15 +1,21 @@
 // Row-invariant block-quantized GEMM: Y[M, N] = A[M, K] x dequant(B)[K, N] (+ bias), B in 4 or 8 bits per weight,
-// one float scale per block of 32 weights of a column, symmetric (zero point 8 or 128).
+// one float scale s per block of 32 weights of a column, and either no zero point (symmetric: the center 8 or 128)
+// or one float zero point zp per block (w = (c - zp) * s, as ONNX Runtime's MatMulNBits defines it).
 //
 // Numerics, the same for every instruction-set path (so the paths agree bit for bit, and each row's bits are the
 // same whatever M is and however the columns are split across threads):
 //   1. each row of A is quantized on its own, per block of 32:  s = max|a| / 127,  q = round_even(a * (127 / max|a|))
 //      clamped to [-127, 127] (NaN -> -127), with the scalar steps the same in every path's version;
-//   2. per (row, column, block) an exact int32 dot product  d = sum_k (w_k - zero_point) * q_k;
+//   2. per (row, column, block) an exact int32 dot product  d = sum_k (c_k - center) * q_k  (center 8 or 128);
 //   3. per (row, column) one float accumulator over the blocks in increasing order:
 //          acc = fma(float(d), w_scale * a_scale, acc)      (float(d) is exact: |d| < 2^24)
+//      and, with zero points, right after it in the same block:
+//          acc = fma(float(qsum), u * a_scale, acc)         qsum = sum_k q_k (exact in float: |qsum| <= 4064),
+//      where u = (center - zp) * w_scale is computed once per (column, block) in float32 when B is packed
+//      (offset()), so that the two steps add s * a_scale * sum_k (c_k - zp) * q_k up to float rounding;
 //   4. y = acc (+ bias).
 // Only the column split is parallel (never K), so no step depends on M, on the row tile, or on the thread count.
+// A graph without zero points runs the code it ran before (the zero-point steps are a template parameter).
 #pragma once
 
 #include <array>
@@ -27,9 +33,15 @@ struct Shape {
   int64_t N = 0;   // output columns
   int64_t kb = 0;  // blocks per column: ceil(K / 32)
   int bits = 4;    // 4 or 8
-  int zero_point() const { return bits == 4 ? 8 : 128; }
+  bool offsets = false;  // float zero points given: the packed B holds an offset u per (column, block) (step 3)
+  int zero_point() const { return bits == 4 ? 8 : 128; }  // the center of step 2
   int64_t blob() const { return kBlock * bits / 8; }  // bytes of one block of one column in ONNX Runtime's layout
 };
+
+// u of step 3 for a block with scale s and float zero point zp: one float subtraction, one float multiplication.
+inline float offset(const Shape& shape, float zero_point, float scale) {
+  return (static_cast<float>(shape.zero_point()) - zero_point) * scale;
+}
 
 // A's rows quantized per block of 32 (step 1 above); K is padded with zeros to kb * 32. Block-major: a block's rows
 // lie side by side, so a tile of rows reads one pointer per block at fixed offsets (row m of a tile at + 32 m).
@@ -37,10 +49,12 @@ struct QuantizedRows {
   int64_t rows = 0, kb = 0;
   std::vector<int8_t> q;      // [kb][rows][32]
   std::vector<float> scale;   // [kb][rows]   s of each block
-  std::vector<int32_t> corr;  // [kb][rows]   -zero_point * sum of q over the block
+  std::vector<int32_t> corr;  // [kb][rows]   -center * sum of q over the block
+  std::vector<float> qsum;    // [kb][rows]   float(sum of q over the block), only for a Shape with offsets
   const int8_t* block_q(int64_t m, int64_t blk) const { return q.data() + (blk * rows + m) * kBlock; }
   float block_scale(int64_t m, int64_t blk) const { return scale[static_cast<size_t>(blk * rows + m)]; }
   int32_t block_corr(int64_t m, int64_t blk) const { return corr[static_cast<size_t>(blk * rows + m)]; }
+  float block_qsum(int64_t m, int64_t blk) const { return qsum[static_cast<size_t>(blk * rows + m)]; }
 };
 
 // One block of one row (step 1): n <= 32 values of a; q gets 32 bytes (zeros past n).
@@ -52,9 +66,10 @@ struct Path {
   const char* name;
   int64_t group;  // columns per group (the packed layout's unit of work)
   QuantizeBlock quantize_block;  // for whole blocks (a partial last block goes through quantize_block_scalar)
-  // bytes of B packed for this path (B: ONNX Runtime layout [N][kb][blob] uint8; scales [N][kb] float)
+  // bytes of B packed for this path (B: ONNX Runtime layout [N][kb][blob] uint8; scales and zero_points [N][kb]
+  // float, zero_points null when the shape has no offsets)
   size_t (*packed_bytes)(const Shape& shape);
-  void (*pack)(const Shape& shape, const uint8_t* b, const float* scales, uint8_t* out);
+  void (*pack)(const Shape& shape, const uint8_t* b, const float* scales, const float* zero_points, uint8_t* out);
   // Y rows [0, a.rows) for the columns of groups [g0, g1); y is [rows][N], bias is [N] or null.
   void (*gemm)(const Shape& shape, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
                const float* bias, float* y);
@@ -71,35 +86,46 @@ bool amx_ready();        // Linux granted this process the AMX tile state (asked
 #endif
 
 // Packed layout shared by the SIMD paths, for a group of W columns (W = 16 for AVX-512, 8 for AVX2):
-//   groups in order; in a group, blocks in order; a block is  weights | W float scales.
+//   groups in order; in a group, blocks in order; a block is  weights | W float scales  (| W float offsets u, for a
+//   Shape with offsets).
 //   4-bit weights: 4 vectors of 4*W bytes; byte 4c+j of vector v holds column c's weights k = 4v+j (low nibble)
 //                  and k = 4(v+4)+j (high nibble), as unsigned 0..15 (zero point 8).
 //   8-bit weights: 8 vectors of 4*W bytes; byte 4c+j of vector v holds column c's weight k = 4v+j, unsigned 0..255
 //                  XOR'ed with `flip` (0 keeps ONNX Runtime's unsigned byte, 0x80 makes it the signed w - 128).
-// Columns past N are padded with zero weights and zero scales.
+// Columns past N are padded with zero weights, zero scales and zero offsets.
+int64_t interleaved_block_bytes(const Shape& shape, int64_t width);  // one block of one group
 size_t interleaved_bytes(const Shape& shape, int64_t width);
-void pack_interleaved(const Shape& shape, const uint8_t* b, const float* scales, int64_t width, uint8_t flip,
-                      uint8_t* out);
+void pack_interleaved(const Shape& shape, const uint8_t* b, const float* scales, const float* zero_points,
+                      int64_t width, uint8_t flip, uint8_t* out);
 
 // A SIMD path over the interleaved layout, from its traits K (in an anonymous namespace of the path's own file, which
 // is compiled with its instruction set): K::kWidth columns per group, K::kMaxTile rows per tile at most, K::kFlip8
-// (the XOR applied to 8-bit weights when packing), and K::template tile<MT, BITS>, the TileFn for a tile of MT rows.
+// (the XOR applied to 8-bit weights when packing), and K::template tile<MT, BITS, OFFSETS>, the TileFn for a tile of
+// MT rows (OFFSETS: the Shape has offsets, step 3's second fma).
 // Each group's tiles run while its panel is in cache, so B is read from memory once per call.
 using TileFn = void (*)(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int64_t first_row,
                         int64_t first_column, const float* bias, float* y);
 
-template <class K, int BITS, int... I>
+template <class K, int BITS, bool OFFSETS, int... I>
 constexpr std::array<TileFn, sizeof...(I)> tile_table(std::integer_sequence<int, I...>) {
-  return {K::template tile<I + 1, BITS>...};  // entry r - 1 runs a tile of r rows
+  return {K::template tile<I + 1, BITS, OFFSETS>...};  // entry r - 1 runs a tile of r rows
+}
+
+// The tile functions of path K for a shape: [bits][offsets] -> one per row count.
+template <class K, int MAX_TILE>
+const std::array<TileFn, MAX_TILE>& tiles_for(const Shape& s) {
+  static constexpr auto rows = std::make_integer_sequence<int, MAX_TILE>();
+  static constexpr std::array<TileFn, MAX_TILE> tables[2][2] = {
+      {tile_table<K, 4, false>(rows), tile_table<K, 4, true>(rows)},
+      {tile_table<K, 8, false>(rows), tile_table<K, 8, true>(rows)}};
+  return tables[s.bits == 8][s.offsets];
 }
 
 template <class K>
 void interleaved_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
                       const float* bias, float* y) {
-  static constexpr auto tiles4 = tile_table<K, 4>(std::make_integer_sequence<int, K::kMaxTile>());
-  static constexpr auto tiles8 = tile_table<K, 8>(std::make_integer_sequence<int, K::kMaxTile>());
-  const auto& tiles = s.bits == 4 ? tiles4 : tiles8;
-  const int64_t panel_bytes = s.kb * (K::kWidth * kBlock * s.bits / 8 + K::kWidth * 4);
+  const auto& tiles = tiles_for<K, K::kMaxTile>(s);
+  const int64_t panel_bytes = s.kb * interleaved_block_bytes(s, K::kWidth);
   // the fewest tiles that cover the rows, as even as possible (9 rows with tiles of 8 at most: 5 + 4, not 8 + 1)
   const int64_t count = (a.rows + K::kMaxTile - 1) / K::kMaxTile;
   for (int64_t g = g0; g < g1; ++g)
@@ -113,8 +139,8 @@ void interleaved_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows
 template <class K>
 Path interleaved_path(const char* name, QuantizeBlock quantize_block) {
   return Path{name, K::kWidth, quantize_block, [](const Shape& s) { return interleaved_bytes(s, K::kWidth); },
-              [](const Shape& s, const uint8_t* b, const float* scales, uint8_t* out) {
-                pack_interleaved(s, b, scales, K::kWidth, s.bits == 8 ? K::kFlip8 : 0, out);
+              [](const Shape& s, const uint8_t* b, const float* scales, const float* zero_points, uint8_t* out) {
+                pack_interleaved(s, b, scales, zero_points, K::kWidth, s.bits == 8 ? K::kFlip8 : 0, out);
               },
               interleaved_gemm<K>};
 }

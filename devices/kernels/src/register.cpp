@@ -51,7 +51,7 @@ const Path* const* all_paths(size_t& count) {
 ONNXTensorElementDataType input_type(const OrtCustomOp*, size_t index) {
   switch (index) {
     case kB: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
-    case kZeroPoints: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // any type, refused at creation when given
+    case kZeroPoints: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float taken, uint8 refused at creation
     case kGroupIndex: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
     default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;  // A, scales, bias
   }
