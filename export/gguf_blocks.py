@@ -30,15 +30,22 @@ states the bound), never by a second quantization step.
 Modes (``mirrorsd-export --gguf-blocks``):
     exact       carry a tensor whose format maps onto the export's own bit width (int4: Q4_0, Q4_K; int8: Q4_0,
                 Q5_0, Q8_0); requantize the others from their dequantized values (the default)
-    widen       also carry at 8 bits what maps only onto 8 bits in an int4 export (Q5_0, Q8_0): larger than 4 bits,
-                without the second rounding
+    widen       in an int4 export, keep at 8 bits what the file holds at more than 4 bits: carry what maps onto 8
+                bits (Q5_0, Q8_0), and requantize Q5_1, Q5_K and Q6_K at 8 bits (symmetric round-to-nearest of
+                their dequantized values, counted as gguf_widened.TYPE) instead of at 4. Larger; the file's own
+                mix of precisions (a Q4_K_M file keeps its LM head and half its down projections at 6 bits)
     requantize  dequantize and quantize every tensor again (the exporter before this module)
 A row permutation that transformers applies when it reads a GGUF (Llama's q/k rows) is applied to the blocks too.
+
+The source may be the GGUF itself, or a Hugging Face folder that ``mirrorsd fetch`` converted from one (its
+mirrorsd_source.json names the file, export/convert.py: converted_from): that folder's weights are the GGUF's own
+dequantized values, so the blocks are carried from the file it came from (the pinned demo models export this way).
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -50,6 +57,7 @@ BLOCK = 32
 # GGUF type -> MatMulNBits bit widths it maps onto (Q4_K: with float zero points, which ONNX Runtime's CPU kernel
 # takes at 4 bits only)
 EXACT_BITS = {"Q4_0": (4, 8), "Q5_0": (8,), "Q8_0": (8,), "Q4_K": (4,)}
+WIDENED = ("Q5_1", "Q5_K", "Q6_K")  # more than 4 bits per weight, no exact map: 8 bits under --gguf-blocks widen
 SCALE_BYTES = 2  # every format above starts its block with d as fp16
 SUPER_BLOCK = 256  # weights per K-quant block: 8 sub-blocks of 32
 K_QUANTS = ("Q4_K", "Q5_K")  # read by k_quant_parts (Q5_K: not carried, see the table above)
@@ -95,10 +103,23 @@ class BlockPlan:
         bits = self._bits(kind)
         result = carried(reader, stored, bits) if bits else None
         tally = self.counts.setdefault(role, Counter())
+        if (result is not None or kind in WIDENED) and not self._same_values(stored):
+            tally[f"gguf_differs.{kind}"] += 1  # the folder's weight is not the file's: requantize the folder's
+            return None
+        if result is None and self.mode == "widen" and self.bits == 4 and kind in WIDENED \
+                and reader.shape(stored)[1] % BLOCK == 0:
+            tally[f"gguf_widened.{kind}"] += 1
+            return round_to_8_bits(reader.get(stored).numpy())
         tally[f"gguf_carried.{kind}" if result else f"gguf_requantized.{kind}"] += 1
         if result is not None and result.zero_points is not None:
             tally[FLOAT_ZERO_POINT_WEIGHTS] += 1
         return result
+
+    def _same_values(self, stored: str) -> bool:
+        """Whether the source's tensor equals the GGUF's dequantization (always, when the source is the GGUF; a
+        converted folder is checked tensor by tensor: it may have been edited since)."""
+        folder = getattr(self.weights, "folder", None)
+        return folder is None or np.array_equal(folder.get(stored).numpy(), self.weights.reader.get(stored).numpy())
 
     def _bits(self, kind: str) -> int | None:
         if self.mode == "requantize":
@@ -112,14 +133,41 @@ class BlockPlan:
         return {k: float(v) for k, v in sorted(self.counts.get(role, {}).items())}
 
 
+@dataclass(frozen=True)
+class ConvertedWeights:
+    """The GGUF a Hugging Face folder was converted from, seen under the folder's parameter names."""
+
+    reader: object  # checkpoint.GGUFReader
+    sources: dict  # model parameter -> the folder's tensor name (the same HF names the GGUF reader maps to)
+    folder: object  # the folder's own reader (checkpoint.SafetensorsReader)
+
+
 def block_plan(source, precision: str, mode: str) -> BlockPlan | None:
-    """A plan when ``source`` reads a GGUF file and ``precision`` quantizes; else None (nothing to carry)."""
-    from mirrorsd.export.checkpoint import GGUFReader
+    """A plan when ``source`` reads a GGUF file, or a folder converted from one that is still in the cache, and
+    ``precision`` quantizes; else None (nothing to carry)."""
+    from mirrorsd.export.checkpoint import GGUFReader, open_gguf
+    from mirrorsd.export.convert import converted_from
 
     weights = getattr(source, "weights", None)
-    if precision not in WEIGHT_BITS or weights is None or not isinstance(weights.reader, GGUFReader):
+    if precision not in WEIGHT_BITS or weights is None:
         return None
+    if not isinstance(weights.reader, GGUFReader):
+        origin = converted_from(source.path) if mode != "requantize" and Path(source.path).is_dir() else None
+        if origin is None:
+            return None
+        weights = ConvertedWeights(open_gguf(origin, source.model), weights.sources, weights.reader)
     return BlockPlan(weights, WEIGHT_BITS[precision], check_mode(mode))
+
+
+def round_to_8_bits(weight: np.ndarray) -> Carried:
+    """[N, K] float32 (K a multiple of 32) -> 8-bit MatMulNBits weights: per block of 32, s = max|w| / 127 and
+    c = round_half_even(w / s) + 128 (an all-zero block: s = 0, c = 128)."""
+    n, k = weight.shape
+    blocks = weight.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
+    scales = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)  # [N, K/32]
+    safe = np.where(scales > 0, scales, np.float32(1))
+    codes = np.clip(np.rint(blocks / safe[..., None]), -127, 127) + 128
+    return Carried(8, codes.astype(np.uint8), scales)
 
 
 def carried(reader, stored: str, bits: int) -> Carried | None:

@@ -22,6 +22,7 @@ K_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q5_K", "attn_output": 
 CANNOT_SURVIVE = {("Q8_0", "int4"), ("Q5_0", "int4"), ("Q4_1", "int4"), ("Q4_1", "int8"), ("Q4_K", "int4"),
                   ("Q5_K", "int4")}
 HF_TO_KIND = {part: kind for kind, part in LAYER_TENSORS.items()}
+WIDENED = ("Q5_1", "Q5_K", "Q6_K")  # held at 8 bits in an int4 export under --gguf-blocks widen
 MODES = ("exact", "widen", "requantize")
 # Carried Q4_K weights may differ from gguf's by a few float32 roundings: zp = offset / s, c - zp, (c - zp) * s and
 # gguf's own d*sc*q - dmin*m each round once, so |error| <= 4 * 2^-24 * (|dmin m| + 15 |d sc|) per block of 32
@@ -167,12 +168,17 @@ def check_export(folder: Path, source_path: Path, mode: str) -> None:
             elif carried:
                 assert bits == carried and bitwise, f"{role} {parameter} ({kind}) must be the GGUF's blocks"
                 assert np.array_equal(computed.T, reference), f"ONNX Runtime computes with {parameter} as stored"
-            else:  # requantized: a block whose grid is a sub-grid of the new one re-rounds to itself (Q4_0 with
-                # a -8d extreme), so only wider grids or float offsets must differ
+            elif not (mode == "widen" and precision == "int4" and kind in WIDENED):
+                # requantized: a block whose grid is a sub-grid of the new one re-rounds to itself (Q4_0 with a -8d
+                # extreme), so only wider grids or float offsets must differ
                 assert bits == {"int4": 4, "int8": 8}[precision], f"{role} {parameter} ({kind})"
                 if (kind, precision) in CANNOT_SURVIVE:
                     assert not bitwise, f"{role} {parameter} ({kind}) cannot survive requantizing to {precision}"
-            key = f"gguf_{'carried' if carried else 'requantized'}.{kind}"
+            widened = not carried and mode == "widen" and precision == "int4" and kind in WIDENED
+            if widened:  # 8-bit round-to-nearest of the file's values: within half a step of the block's scale
+                step = np.repeat(np.abs(reference).reshape(reference.shape[0], -1, 32).max(-1) / 127, 32, 1)
+                assert bits == 8 and np.all(np.abs(defined - reference) <= 0.5 * step * (1 + 1e-6)), parameter
+            key = f"gguf_{'carried' if carried else 'widened' if widened else 'requantized'}.{kind}"
             expected_counts[key] = expected_counts.get(key, 0) + 1
         validation = manifest["graphs"][role]["validation"]
         assert {k: v for k, v in validation.items() if k.startswith("gguf_")} == expected_counts
@@ -188,7 +194,47 @@ def test_carried_q4_k_blocks_equal_gguf_up_to_float_rounding(k_exports, k_gguf, 
     check_export(k_exports[mode], k_gguf, mode)
     counts = json.loads((k_exports[mode] / "mirrorsd.json").read_text())["graphs"]["suffix"]["validation"]
     assert counts.get("gguf_carried.Q4_K", 0) == (0 if mode == "requantize" else 6)  # q, k, o, gate, up, down
-    assert counts["gguf_requantized.Q5_K"] == 1
+    assert counts[f"gguf_{'widened' if mode == 'widen' else 'requantized'}.Q5_K"] == 1  # widen: at 8 bits
+
+
+def test_a_folder_converted_from_a_gguf_carries_the_file_s_blocks(k_gguf, tmp_path):
+    """The pinned demo models export from the Hugging Face folder `mirrorsd fetch` converted: the blocks come from
+    the GGUF it names (still in the cache), so the export equals one made from the GGUF itself; a folder weight
+    edited since the conversion is not the file's, so it is requantized from the folder."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from mirrorsd.export.convert import gguf_to_hf_folder
+    from mirrorsd.export.pipeline import ExportOptions, export
+    from mirrorsd.runtime import GenerationConfig, Pipeline
+
+    cached = tmp_path / "cache" / "gguf" / k_gguf.name
+    cached.parent.mkdir(parents=True)
+    shutil.copy(k_gguf, cached)
+    folder = gguf_to_hf_folder(cached, tmp_path / "cache" / "hf" / "tiny-k", progress=False)
+
+    def counts(source, name):
+        out = tmp_path / name
+        export(ExportOptions(model=source, output=out, target_precision="int4", draft_precision="int8",
+                             draft_layers=1, gguf_blocks="widen"))
+        return out, json.loads((out / "mirrorsd.json").read_text())["graphs"]["suffix"]["validation"]
+
+    linked, linked_counts = counts(folder, "linked")
+    _, direct_counts = counts(k_gguf, "direct")
+    gguf_counts = {k: v for k, v in linked_counts.items() if k.startswith("gguf_")}
+    assert gguf_counts == {k: v for k, v in direct_counts.items() if k.startswith("gguf_")}
+    assert gguf_counts["gguf_carried.Q4_K"] == 6 and gguf_counts["gguf_widened.Q5_K"] == 1
+    with Pipeline.load(linked) as pipe:
+        ar = pipe.generate([5, 6, 7, 8], GenerationConfig(mode="ar", max_new_tokens=24)).tokens
+        assert pipe.generate([5, 6, 7, 8], GenerationConfig(mode="sd", max_new_tokens=24)).tokens == ar
+    shard = next(folder.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    edited = next(n for n in tensors if n.endswith("layers.1.self_attn.q_proj.weight"))
+    tensors[edited] = tensors[edited] * np.float32(1.5)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    _, edited_counts = counts(folder, "edited")
+    assert edited_counts["gguf_differs.Q4_K"] == 1 and edited_counts["gguf_carried.Q4_K"] == 5
 
 
 @pytest.mark.parametrize("kind, block_bytes", [("Q4_K", 144), ("Q5_K", 176)])
