@@ -79,9 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
               help="a .gguf source's quantized blocks: exact carries the tensors whose format maps exactly onto the "
                    "precision's MatMulNBits (int4: Q4_0, Q4_K with float zero points; int8: Q4_0, Q5_0, Q8_0) "
                    "instead of dequantizing and "
-                   "quantizing them again; widen also carries Q5_0/Q8_0 tensors at 8 bits in an int4 export; "
-                   "requantize carries none. The manifest counts what was carried and what requantized, per format "
+                   "quantizing them again; widen keeps at 8 bits, in an int4 export, what the file holds at more "
+                   "than 4 bits (Q5_0/Q8_0 carried, Q5_1/Q5_K/Q6_K requantized at 8 bits: a Q4_K_M file's LM "
+                   "head and half its down projections; larger, near the file's own quality); requantize carries "
+                   "none. The manifest counts what was carried, widened and requantized, per format "
                    "(docs/quality.md)")
+    flags.add(prec, E, "draft_gguf_blocks", choices=("exact", "widen", "requantize"),
+              help="the same for the draft alone (default: --gguf-blocks), e.g. --gguf-blocks widen "
+                   "--draft-gguf-blocks exact: a target near the file's quality beside a small, fast draft (the "
+                   "target checks every draft token, so the draft's precision changes speed, never the output)")
     out = parser.add_argument_group("output")
     flags.add(out, E, "output", "--output", "-o", required=True, type=Path,
               help="a new folder of its own (absent or empty; never the model's folder or one holding it)")

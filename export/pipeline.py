@@ -55,6 +55,7 @@ def export(options: ExportOptions, progress: Callable[[str], None] = lambda step
     check_precision(options.target_precision, "--target-precision")
     check_precision(options.draft_precision, "--draft-precision")
     check_mode(options.gguf_blocks)
+    check_mode(options.draft_gguf_blocks or options.gguf_blocks)
     _check_fp16(options, None)
     if options.exit_layer is None and options.exit_hits is not None and options.exit_profile is not None:
         from mirrorsd.export.exit_choice import read_inputs
@@ -91,7 +92,7 @@ def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_lay
     jobs = (ModelJob("target", target, TARGET_GRAPHS, options.target_precision, exit_layer, options.top_k,
                      options.whole_graphs, options.gguf_blocks),
             ModelJob("draft", draft, DRAFT_GRAPHS + optional, options.draft_precision, exit_layer, options.top_k,
-                     options.whole_graphs, options.gguf_blocks))
+                     options.whole_graphs, options.draft_gguf_blocks or options.gguf_blocks))
     graphs = {}
     for job in jobs:
         for role, (module, build, validation) in run_job(job, scratch, state, progress, on_layer).items():

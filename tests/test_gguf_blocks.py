@@ -403,3 +403,20 @@ def test_the_c_host_runs_carried_q4_k_with_mirrorsds_kernel(native_build, k_expo
     with NativeModel(folder, native_build.library, kernels="ort") as native:
         assert native.kernels["target"] == "ort"
         assert (paths in native.inexact_windows()) == (difference > 0.0)
+
+
+def test_the_draft_can_take_another_mode_than_the_target(k_gguf, tmp_path):
+    """--gguf-blocks widen --draft-gguf-blocks exact: the target keeps Q5_K at 8 bits, the draft requantizes it to
+    4 (a smaller, faster draft; the target checks its tokens), and the manifest records both modes."""
+    from mirrorsd.export.pipeline import ExportOptions, export
+
+    out = tmp_path / "out"
+    export(ExportOptions(model=k_gguf, output=out, target_precision="int4", draft_precision="int4", draft_layers=1,
+                         gguf_blocks="widen", draft_gguf_blocks="exact"))
+    manifest = json.loads((out / "mirrorsd.json").read_text())
+    assert (manifest["export_options"]["gguf_blocks"], manifest["export_options"]["draft_gguf_blocks"]) == \
+        ("widen", "exact")
+    suffix, draft = (manifest["graphs"][role]["validation"] for role in ("suffix", "draft"))
+    assert suffix["gguf_widened.Q5_K"] == 1 and "gguf_requantized.Q5_K" not in suffix
+    assert draft["gguf_requantized.Q5_K"] == 1 and not any(k.startswith("gguf_widened") for k in draft)
+    assert draft["gguf_carried.Q4_K"] == 6  # the draft's one layer: q, k, o, gate, up, down
