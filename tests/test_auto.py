@@ -400,7 +400,8 @@ def test_sd_starts_from_a_draft_cache_that_holds_a_prefix_of_its_text(same_draft
 def test_measured_step_times_correct_a_profile_wrong_for_speculation(random_draft):
     """A profile whose speculative costs are a hundredth of the real ones (taken while other jobs ran, the way a
     1-row verify measured dearer than a 2-row one): auto starts speculating, measures its steps, corrects the costs
-    of every speculative strategy by them and finishes in ar, whose cost was right; the tokens are ar's."""
+    of every speculative strategy by them and finishes without the draft (ar, whose cost was right, or ngram where
+    its measured steps pay on this repeating text); the tokens are ar's."""
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import Pipeline
 
@@ -421,7 +422,7 @@ def check_correction(pipe, measured, real) -> None:
     result = pipe.generate(PROMPT, GenerationConfig(max_new_tokens=96, chat=False))
     auto = result.stats.auto
     assert not auto["chosen"].startswith("ar"), auto  # the wrong profile predicts speculation far faster
-    assert auto["final"].startswith("ar"), auto
+    assert auto["final"].split()[0] in ("ar", "ngram"), auto  # off the draft (ngram: the random text repeats)
     assert result.tokens == pipe.generate(PROMPT, GenerationConfig(mode="ar", max_new_tokens=96, chat=False)).tokens
 
 
