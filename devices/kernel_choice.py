@@ -14,6 +14,7 @@ choice. mirrorsd's is the faster, most of all for several-row windows (docs/lab-
 from __future__ import annotations
 
 from mirrorsd.errors import DeviceError, KernelsUnavailableError
+from mirrorsd.names import FLOAT_ZERO_POINT_WEIGHTS
 
 CHOICES = ("auto", "mirrorsd", "ort")
 MIRRORSD, ORT = "mirrorsd", "ort"
@@ -35,3 +36,20 @@ def resolve_kernels(asked: str) -> tuple[str, str]:
                               f"{exc.fix}; or pass --kernels ort (or auto)") from None
         return ORT, str(exc)
     return MIRRORSD, ""
+
+
+class SlowKernelWarning(UserWarning):
+    """An export whose weights ONNX Runtime's own kernel runs far slower than mirrorsd's would."""
+
+
+def slow_weights_note(manifest, kernels: str) -> str:
+    """What to tell the user when ONNX Runtime's kernel will run float-zero-point weights (GGUF Q4_K blocks carried
+    by the exporter): it dequantizes them to float on every call, tens of times slower than mirrorsd's kernel.
+    Empty when nothing is slow."""
+    count = sum(int(g.validation.get(FLOAT_ZERO_POINT_WEIGHTS, 0)) for g in manifest.graphs.values())
+    if kernels != ORT or not count:
+        return ""
+    return (f"this export has {count} int4 weights with float zero points (GGUF Q4_K blocks carried as they are), and "
+            f"ONNX Runtime's own MatMulNBits dequantizes those on every call: decoding will be very slow. Fix: let "
+            f"mirrorsd build its kernels (a C++ compiler; python -m mirrorsd.devices.kernels says why it cannot), or "
+            f"re-export with --gguf-blocks requantize")

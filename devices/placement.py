@@ -31,7 +31,7 @@ from pathlib import Path
 
 from mirrorsd import names
 from mirrorsd.devices.backends import BACKENDS, OpenVINOTuning, OrtSession, SessionSettings
-from mirrorsd.devices.kernel_choice import resolve_kernels
+from mirrorsd.devices.kernel_choice import SlowKernelWarning, resolve_kernels, slow_weights_note
 from mirrorsd.devices.probe import PLUGIN_EP, DeviceReport, probe
 from mirrorsd.errors import DeviceError
 
@@ -301,6 +301,8 @@ def plan_placement(manifest, request: DeviceRequest, policy: PlacementPolicy | N
                           "re-export with mirrorsd-export --static-draft --max-context N")
     static_available = names.DRAFT_STATIC in manifest.graphs
     kernels, note = resolve_kernels(request.kernels)
+    if warn and slow_weights_note(manifest, kernels):
+        warnings.warn(slow_weights_note(manifest, kernels), SlowKernelWarning, stacklevel=3)
     plan = Plan(policy.decide("target", request.target),
                 policy.decide("draft", request.draft, static_available, request.static_draft), kernels, note)
     if warn:

@@ -420,3 +420,22 @@ def test_the_draft_can_take_another_mode_than_the_target(k_gguf, tmp_path):
     assert suffix["gguf_widened.Q5_K"] == 1 and "gguf_requantized.Q5_K" not in suffix
     assert draft["gguf_requantized.Q5_K"] == 1 and not any(k.startswith("gguf_widened") for k in draft)
     assert draft["gguf_carried.Q4_K"] == 6  # the draft's one layer: q, k, o, gate, up, down
+
+
+def test_onnx_runtimes_kernel_on_float_zero_points_is_warned_about(k_exports):
+    """Carried Q4_K weights run tens of times slower on ONNX Runtime's own kernel: loading such an export with
+    --kernels ort says so and what to do; with mirrorsd's kernel, or a requantized export, nothing is said."""
+    import warnings
+
+    from mirrorsd.devices.kernel_choice import SlowKernelWarning, slow_weights_note
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.manifest import load_manifest
+    from mirrorsd.runtime import Pipeline
+
+    with pytest.warns(SlowKernelWarning, match="float zero points.*--gguf-blocks requantize"):
+        Pipeline.load(k_exports["exact"], DeviceRequest(kernels="ort")).close()
+    assert slow_weights_note(load_manifest(k_exports["exact"]), "mirrorsd") == ""
+    assert slow_weights_note(load_manifest(k_exports["requantize"]), "ort") == ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowKernelWarning)
+        Pipeline.load(k_exports["requantize"], DeviceRequest(kernels="ort")).close()
