@@ -315,6 +315,26 @@ def test_stays_in_ar_when_the_probe_measures_a_useless_draft(random_draft, singl
     assert carried.source == "online" and carried.alpha == pytest.approx(probe["alpha"], abs=1e-4)
 
 
+def test_the_probe_is_not_timed_as_part_of_ar_s_steps(random_draft, single_thread, monkeypatch):
+    """A probe's draft forward (the first one a prefill of the whole text) runs inside a step of ar, and is no part
+    of ar's cost: timed in, it made ar look slow and auto re-plan away from it. Here each probe takes 0.3 s more:
+    ar's measured step time still matches its profile, and nothing re-plans."""
+    import time
+    from dataclasses import replace
+
+    from mirrorsd.runtime.planner.ar_probe import ArProbe
+
+    slow = ArProbe.probe
+    monkeypatch.setattr(ArProbe, "probe", lambda self, committed: (time.sleep(0.3), slow(self, committed))[1])
+    pipe = single_thread(random_draft)
+    measured = with_costs(pipe)
+    proposer, outcome, reference, seen = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 96)
+    assert outcome.tokens == reference and proposer.report()["ar_probe"]["probes"] >= 2
+    ar = next(s for s in proposer.step_factor if s.mode == "ar")
+    assert proposer.step_factor[ar] < 3.0, proposer.step_factor  # 0.3 s in 16 steps of a few ms: factor > 10
+    assert not [s for s in proposer.switches if "measured" in s.reason], proposer.report()
+
+
 def test_the_prior_is_a_running_mean_over_generations():
     """Hand-computed: a calibration over 6 prompts at alpha 0.6, then generations at 0.9 and 0.3: each counts as
     one prompt, so the priors are (6 * 0.6 + 0.9) / 7 and (6 * 0.6 + 0.9 + 0.3) / 8 (the old fixed weight 0.5 gave

@@ -220,8 +220,10 @@ class AutoProposer:
             self._last = time.perf_counter()
             self.replay.start(committed[:self._prompt_tokens], committed[self._prompt_tokens])
         self.replay.follow(committed)
-        if self._probe_due:
+        if self._probe_due:  # the probe's draft forward is no part of the running strategy's step: not timed in it
+            started = time.perf_counter()
             self._probe(committed)
+            self._last += time.perf_counter() - started
         if self._pending is not None:
             self._switch(committed)
         g = min(gamma, self.strategy.gamma)
