@@ -335,44 +335,6 @@ def test_the_probe_is_not_timed_as_part_of_ar_s_steps(random_draft, single_threa
     assert not [s for s in proposer.switches if "measured" in s.reason], proposer.report()
 
 
-def test_a_prior_that_only_just_favours_the_draft_starts_without_it(same_draft, single_thread):
-    """Costs where the draft pays at the prior's alpha 0.8 but not at 0.6 (the low end of the spread between texts):
-    auto starts in ngram, probes the draft on its own text after FIRST_PROBE_STEPS steps, finds it right every
-    time (the draft is the target) and switches to it. The tokens are ar's."""
-    from dataclasses import replace
-
-    from mirrorsd.runtime.planner.ar_probe import ArProbe
-    from mirrorsd.runtime.planner.auto import ALPHA_SPREAD, FIRST_PROBE_STEPS, plan_table
-    from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts
-
-    pipe = single_thread(same_draft)
-    costs = SplitCosts(target_threads=pipe.threads[0], draft_threads=pipe.threads[1],
-                       verify_s=(0.010, 0.012, 0.013, 0.014, 0.015, 0.016, 0.017), exit_s=(0.002,) * 7,
-                       draft1_s=0.004, branch_fwd_s=0.02, branch_batch=2)
-    prior = Acceptance(0.8, 0.1, 0.1, source="test")
-    table = plan_table(costs, prior)
-    low = plan_table(costs, replace(prior, alpha=0.8 - ALPHA_SPREAD))
-    assert table.best.strategy.mode == "sd" and low.best.strategy.mode == "ar", (table.to_dict(), low.to_dict())
-    config = GenerationConfig(max_new_tokens=96, chat=False)
-    proposer = AutoProposer(lambda s: pipe._proposer(concrete(config, s)), costs, prior, context=0, new_tokens=96,
-                            probe=ArProbe(pipe.draft))
-    settings = DecodeSettings(96, pipe.manifest.tokenizer.eos_token_ids, pipe.context_limit, costs.max_gamma,
-                              sampler=GREEDY)
-    seen = []
-    observe = proposer.observe
-    proposer.observe = lambda v, new, g: (seen.append(proposer.strategy.mode), observe(v, new, g))
-    try:
-        outcome = decode(pipe.target, proposer, pipe.encode(PROMPT, config), settings)
-    finally:
-        proposer.close()
-    assert outcome.tokens == pipe.generate(PROMPT, GenerationConfig(mode="ar", max_new_tokens=96, chat=False)).tokens
-    report = proposer.report()
-    assert report["chosen"].startswith("ngram") and "started in ngram" in report["why"], report
-    probed = [s for s in proposer.switches if "ar probe" in s.reason]
-    assert probed and probed[0].new.split()[0] in ("sd", "mirror", "mirror-noexit"), report
-    assert set(seen[:FIRST_PROBE_STEPS]) == {"ngram"} and seen[-1] in ("sd", "mirror"), seen
-
-
 def test_the_prior_is_a_running_mean_over_generations():
     """Hand-computed: a calibration over 6 prompts at alpha 0.6, then generations at 0.9 and 0.3: each counts as
     one prompt, so the priors are (6 * 0.6 + 0.9) / 7 and (6 * 0.6 + 0.9 + 0.3) / 8 (the old fixed weight 0.5 gave

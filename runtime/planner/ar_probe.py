@@ -107,9 +107,9 @@ def leave_ar(table: Table, margin: float = LEAVE_MARGIN, current: Strategy | Non
     """The strategy to switch to from ar (or from ``current``, a strategy without a draft: ar or ngram), or None:
     the fastest row of ``table`` of another mode than ar and ``current``'s, when it is predicted more than
     ``margin`` faster than ``current`` (ar when not given)."""
-    base = next((r for r in table.rows if r.strategy == current), None) or table.best_of("ar")
-    skip = ("ar", current.mode if current is not None else "ar")
-    other = next((r for r in table.rows if r.strategy.mode not in skip), None)
+    base = next((r for r in table.rows if r.strategy == current), None) if current else table.best_of("ar")
+    mode = base.strategy.mode if base is not None else "ar"
+    other = next((r for r in table.rows if r.strategy.mode not in ("ar", mode)), None)
     if base is None or other is None or other.tokens_per_second <= (1 + margin) * base.tokens_per_second:
         return None
     return other

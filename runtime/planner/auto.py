@@ -3,10 +3,6 @@
     plan      rank ar, sd and mirror (with and without the exit head) at every gamma on the pipeline's own thread
               split (runtime/planner/latency.py), from its measured profile and the pair's acceptance (calibration, then
               what earlier generations measured); take the fastest
-    start     unless a strategy with the draft is still predicted faster than ar at the low end of the prior's
-              spread (alpha - ALPHA_SPREAD: the prior was measured on other texts), a greedy generation starts
-              without the draft, in ngram (an ar step while no lookup matches), and probes the draft on its own text
-              after FIRST_PROBE_STEPS steps (leave ar, below)
     generate  the chosen proposer does the work; every step's wall time and committed tokens are recorded
     correct   every RECHECK_STEPS steps, a running strategy that measured more seconds per step than the profile
               predicts gets that factor on its step time for the rest of the generation (and so does every
@@ -48,8 +44,6 @@ RECHECK_STEPS = 16  # steps per check of the measured speed against the predicti
 SLACK = 0.10  # re-plan when the measured speed is more than this fraction below the prediction
 MIN_ONLINE_STEPS = 8  # speculative steps before this generation's own acceptance replaces the prior
 LOOKUP_MARGIN = 0.10  # take ngram when predicted this much faster than the running strategy (its replay is young)
-ALPHA_SPREAD = 0.2  # how far one text's acceptance falls below the prior (per-prompt alpha spans ~0.5 .. 0.9)
-FIRST_PROBE_STEPS = 16  # a generation started without the draft probes it this early (MIN_PROBE_ROWS tokens)
 LOOKUP_MARGIN_FROM_AR = 0.02  # ... from ar: no draft on either side, the switch costs nothing, so a small gain pays
 
 
@@ -126,7 +120,6 @@ def plan_table(costs: SplitCosts, acceptance: Acceptance, streaming: bool = Fals
 
 WIDE = ("sd", "mirror", "ngram")  # the modes that verify windows of several rows: they share that cost (and the draft's)
 TARGET_ONLY = ("ar", "ngram")  # the modes whose step is the target alone (no draft forward)
-DRAFTED = ("sd", "mirror")  # the modes that run the draft
 
 
 def corrected(table: Table, step_factor: dict[Strategy, float]) -> Table:
@@ -204,8 +197,6 @@ class AutoProposer:
         self._probe_due = False
         self._ar_steps = 0
         self.replay = LookupReplay(max(costs.max_gamma, 1))  # mode ngram replayed on the committed text
-        self._first_probe = PROBE_STEPS  # the first probe's step (earlier when started without the draft)
-        self.started_without_draft = ""  # why, when the prior alone did not justify starting with the draft
         self._prompt_tokens = 0
 
     @property
@@ -215,36 +206,14 @@ class AutoProposer:
     # ---- the proposer interface -------------------------------------------------------------------------------
     def reset(self, prompt: list[int], sampler: Sampler = GREEDY) -> None:
         self.sampler = sampler
-        self._probing = self.probe is not None and sampler.plain and speculation_can_pay(self._plan, self.prior)
-        self._first_probe = PROBE_STEPS
-        if self._probing and self.strategy.mode in DRAFTED and not self._draft_pays_at_low_alpha():
-            self._start_without_the_draft()
         self.inner = self._make(self.strategy)
         self.inner.reset(prompt, sampler)
         self._prompt_tokens = len(prompt)
         self.replay = LookupReplay(self.replay.max_gamma)
         self._last = 0.0  # set by the first propose: the prefill is no step
+        self._probing = self.probe is not None and sampler.plain and speculation_can_pay(self._plan, self.prior)
         if self._probing:
             self.probe.start(len(prompt))
-
-    def _draft_pays_at_low_alpha(self) -> bool:
-        """Whether a strategy with the draft still beats ar at the low end of the prior's spread between texts."""
-        low = replace(self.prior, alpha=max(0.0, self.prior.alpha - ALPHA_SPREAD))
-        best = self._plan(low).best
-        return best.strategy.mode in DRAFTED
-
-    def _start_without_the_draft(self) -> None:
-        """Start in ngram (no lookup found: an ar step) and let the probe measure the draft on this text at step
-        FIRST_PROBE_STEPS; the plan's choice stays in the report as what the prior alone predicted."""
-        ar = self.table.best_of("ar")
-        ngram = Strategy("ngram", self.costs.max_gamma, split=ar.strategy.split)
-        self.current = self.first = Prediction(ngram, ar.step_s, 1.0)
-        self._first_probe = FIRST_PROBE_STEPS
-        self.started_without_draft = (f"started in {ngram.name} (ar until a lookup matches): at alpha "
-                                      f"{max(0.0, self.prior.alpha - ALPHA_SPREAD):.2f}, the prior's "
-                                      f"{self.prior.alpha:.2f} less the spread between texts, no strategy with "
-                                      f"the draft is predicted faster than ar; the draft is probed on this text "
-                                      f"after {FIRST_PROBE_STEPS} steps")
 
     def propose(self, committed: list[int], gamma: int) -> Window:
         if not self._last:
@@ -288,7 +257,7 @@ class AutoProposer:
         self.online.record(verdict, self.strategy, self._reused)
         if self._probing and self.strategy.mode in TARGET_ONLY and self._pending is None:
             self._ar_steps += 1
-            self._probe_due = self._ar_steps == self._first_probe or self._ar_steps % PROBE_STEPS == 0
+            self._probe_due = self._ar_steps % PROBE_STEPS == 0
         if len(self._recent) < RECHECK_STEPS:
             return
         seconds = sum(s for s, _ in self._recent)
@@ -412,8 +381,7 @@ class AutoProposer:
         """What it chose and why, for the statistics and --json."""
         return {"chosen": self.first.strategy.name, "predicted_tokens_per_second": round(
                     self.first.tokens_per_second, 2),
-                "why": why(self.first_table) + (f"; {self.started_without_draft}" if self.started_without_draft
-                                                 else ""),
+                "why": why(self.first_table),
                 "final": self.strategy.name, "switches": [s.__dict__ for s in self.switches],
                 "online_acceptance": {"steps": self.online.steps,
                                       "alpha": round(self.online.accepted / self.online.tried, 4)
