@@ -14,6 +14,7 @@ The target's prefix, suffix and draft graphs are copied untouched: the target's 
 """
 from __future__ import annotations
 
+import importlib
 import shutil
 import time
 from dataclasses import dataclass, replace
@@ -57,6 +58,8 @@ def train(options: ExitTrainOptions, log=print) -> ExitTrainResult:
                                 f"the adapter's rank is at most the target's hidden size ({manifest.target.hidden_size})",
                                 "pass a smaller --rank (default 64)")
     output = check_output(options.output, [source], options.force, EXPORT)
+    for heavy in ("onnx", "onnxruntime", "torch"):  # before the staged folder exists: a SIGTERM during their native
+        importlib.import_module(heavy)  # initialisation could crash the interpreter and leave the folder behind
     with StagedFolder(output) as stage:
         result = _train_into(stage.path, source, manifest, options, output, log)
         stage.publish()
