@@ -301,8 +301,8 @@ def plan_placement(manifest, request: DeviceRequest, policy: PlacementPolicy | N
                           "re-export with mirrorsd-export --static-draft --max-context N")
     static_available = names.DRAFT_STATIC in manifest.graphs
     kernels, note = resolve_kernels(request.kernels)
-    if warn and slow_weights_note(manifest, kernels):
-        warnings.warn(slow_weights_note(manifest, kernels), SlowKernelWarning, stacklevel=3)
+    if warn and (slow := slow_weights_note(manifest, kernels)):
+        warnings.warn(slow, SlowKernelWarning, stacklevel=3)
     plan = Plan(policy.decide("target", request.target),
                 policy.decide("draft", request.draft, static_available, request.static_draft), kernels, note)
     if warn:

@@ -117,25 +117,26 @@ def _float_tensors(model) -> set[bytes]:
     """Names of the model's float32 tensors (initializers, and tensors inside attributes)."""
     names = set()
     for start, end in messages(model, "tensor"):
-        name, data_type = None, None
-        for field, wire, lo, hi in fields(model, start, end):
-            if field == _TENSOR_NAME and wire == LENGTH_DELIMITED:
-                name = bytes(model[lo:hi])
-            elif field == _TENSOR_DATA_TYPE and wire == 0:
-                data_type = read_varint(model, lo, hi)[0]
+        name, data_type = _name_and_int(model, start, end, _TENSOR_NAME, _TENSOR_DATA_TYPE)
         if name and data_type == _FLOAT:
             names.add(name)
     return names
 
 
 def _int_attribute(model, start: int, end: int) -> dict[bytes, int]:
+    name, value = _name_and_int(model, start, end, _ATTRIBUTE_NAME, _ATTRIBUTE_INT)
+    return {name: value} if name is not None and value is not None else {}
+
+
+def _name_and_int(model, start: int, end: int, name_field: int, int_field: int) -> tuple[bytes | None, int | None]:
+    """A message's string field ``name_field`` and varint field ``int_field`` (None where absent)."""
     name, value = None, None
     for field, wire, lo, hi in fields(model, start, end):
-        if field == _ATTRIBUTE_NAME and wire == LENGTH_DELIMITED:
+        if field == name_field and wire == LENGTH_DELIMITED:
             name = bytes(model[lo:hi])
-        elif field == _ATTRIBUTE_INT and wire == 0:
+        elif field == int_field and wire == 0:
             value = read_varint(model, lo, hi)[0]
-    return {name: value} if name is not None and value is not None else {}
+    return name, value
 
 
 def _opset_domains(model) -> set[str]:
