@@ -147,11 +147,16 @@ def piece_model(instance: Instance, source, opset_import, ir_version: int, inlin
     """One piece instance as a model of its own, and the weights it leaves out as ``{name: array}``.
 
     Left-out weights appear as external stubs, to be supplied at session creation or written to a file as they
-    are. ``inline_matmul_weights`` puts the MatMul weights into the model instead: the quantizer reads them there."""
+    are. ``inline_matmul_weights`` puts the MatMul weights and the token embedding into the model instead: the
+    quantizer reads them there."""
     from onnx import helper, numpy_helper
 
+    from mirrorsd.export.embedding import embedding_names
+
     nodes = instance.nodes()
-    matmul_b = {n.input[1] for n in nodes if n.op_type == "MatMul"} if inline_matmul_weights else set()
+    matmul_b = {n.input[1] for n in nodes if n.op_type == "MatMul"} | \
+        {n.input[0] for n in nodes if n.op_type == "Gather" and n.input[0] in embedding_names()} \
+        if inline_matmul_weights else set()
     weights = {instance.weight_name(u): instance.weight(u, source) for u in instance.piece.weights}
     stored = [numpy_helper.from_array(weights.pop(name), name) if name in matmul_b else _stub(name, weights[name])
               for name in list(weights)]
@@ -173,9 +178,11 @@ def _stub(name: str, array: np.ndarray):
 
 
 def write_stack(stack: Stack, pieces: dict, source, path: Path, precision: str, model_kind: str,
-                on_piece: Callable[[int, int], None] = lambda done, total: None, blocks=None) -> Path:
+                on_piece: Callable[[int, int], None] = lambda done, total: None, blocks=None,
+                embedding=None) -> Path:
     """Write ``path`` (+ ``path.data`` when it passes 2 GB) piece by piece; ``on_piece(done, total)`` after each.
-    ``blocks``: a gguf_blocks.BlockPlan (GGUF blocks carried where they map exactly), or None."""
+    ``blocks``: a gguf_blocks.BlockPlan (GGUF blocks carried where they map exactly), or None; ``embedding``: an
+    embedding.EmbeddingPlan (None: quantized, over ``blocks``)."""
     from onnx import helper
 
     from mirrorsd.export.graphs.attention import KIND
@@ -190,7 +197,7 @@ def write_stack(stack: Stack, pieces: dict, source, path: Path, precision: str, 
         for done, instance in enumerate(placed, 1):
             model, rest = piece_model(instance, source, opset, ir_version, precision in QUANTIZED)
             if precision in QUANTIZED:
-                model = quantize_model(model, precision, model_kind, KIND, blocks, path.stem)
+                model = quantize_model(model, precision, model_kind, KIND, blocks, path.stem, embedding=embedding)
             # copies, not references: a sub-message keeps its whole model (this piece's weights) alive
             initializers += [_detached(data.add_proto(t)) for t in model.graph.initializer if not t.external_data]
             initializers += [data.add(name, rest.pop(name)) for name in list(rest)]

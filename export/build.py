@@ -20,6 +20,7 @@ from typing import Any
 
 from mirrorsd import names
 from mirrorsd.errors import UnsupportedArchitectureError
+from mirrorsd.export.embedding import EmbeddingPlan
 from mirrorsd.export.gguf_blocks import block_plan
 from mirrorsd.export.graphs.base import HEAD_TOPK, LAYER, STEM_IDS, Stack, Traced
 from mirrorsd.export.resume import BUILDING, ResumeState
@@ -37,6 +38,7 @@ class ModelJob:
     top_k: int
     whole_graphs: bool  # trace every graph whole, as before layer streaming
     gguf_blocks: str = "exact"  # a GGUF source's blocks: carried where they map exactly (gguf_blocks.py)
+    embedding: str = "quantized"  # a quantized model's token embedding: quantized | float (embedding.py)
 
 
 def run_job(job: ModelJob, scratch: Path, state: ResumeState, progress: Callable[[str], None],
@@ -48,15 +50,16 @@ def run_job(job: ModelJob, scratch: Path, state: ResumeState, progress: Callable
     results = state.validated.get(job.model) if not todo else None
     pieces = Pieces(job, builds, progress)
     blocks = block_plan(job.source, job.precision, job.gguf_blocks)
+    embedding = EmbeddingPlan(job.embedding, blocks)
     for module in todo:
-        _write(module, builds[module.ROLE], pieces, job, scratch, progress, on_layer, blocks)
-        state.mark_built(module.ROLE)
+        _write(module, builds[module.ROLE], pieces, job, scratch, progress, on_layer, blocks, embedding)
+        state.mark_built(module.ROLE, {**(blocks.report(module.ROLE) if blocks is not None else {}),
+                                       **embedding.report(module.ROLE)})
     if results is None:
-        results = _validate_and_quantize(job, builds, pieces, chained, scratch, state, progress)
-        if blocks is not None:  # what the GGUF's blocks became in each graph written quantized
-            for role in results:
-                results[role].update(blocks.report(role))
-            state.record(job.model, results)
+        results = _validate_and_quantize(job, builds, pieces, chained, scratch, state, progress, embedding)
+        for role in results:  # what the GGUF's blocks and the token embedding became in each quantized graph,
+            results[role].update(state.counts.get(role, {}))  # kept across a resumed run
+        state.record(job.model, results)
     return {m.ROLE: (m, builds[m.ROLE], results[m.ROLE]) for m in job.modules}
 
 
@@ -118,7 +121,8 @@ class Pieces:
         return self.get(torch.float32)
 
 
-def _write(module, build, pieces: Pieces, job: ModelJob, scratch: Path, progress, on_layer, blocks=None) -> None:
+def _write(module, build, pieces: Pieces, job: ModelJob, scratch: Path, progress, on_layer, blocks=None,
+           embedding=None) -> None:
     from mirrorsd.export import onnx_writer
     from mirrorsd.export.assembly import write_stack
 
@@ -134,7 +138,7 @@ def _write(module, build, pieces: Pieces, job: ModelJob, scratch: Path, progress
         precision = job.precision if module.QUANTIZED else "fp32"
         write_stack(build, traced, job.source, building / file, precision, job.model,
                     lambda done, total: on_layer(module.ROLE, done, total),
-                    blocks if precision == job.precision else None)
+                    blocks if precision == job.precision else None, embedding)
     else:
         progress(f"tracing {module.ROLE} (the whole {job.model} in memory)")
         with job.source.weights.materialized() as model:
@@ -150,7 +154,7 @@ def _precision_note(module, job: ModelJob) -> str:
 
 
 def _validate_and_quantize(job: ModelJob, builds: dict, pieces: Pieces, chained: set, scratch: Path,
-                           state: ResumeState, progress) -> dict[str, dict]:
+                           state: ResumeState, progress, embedding=None) -> dict[str, dict]:
     from mirrorsd.export import chain_runner, validate
     from mirrorsd.export.graphs.attention import KIND
     from mirrorsd.export.quantize import QUANTIZED, quantize_graph
@@ -172,13 +176,14 @@ def _validate_and_quantize(job: ModelJob, builds: dict, pieces: Pieces, chained:
         state.unbuild(later)  # an interruption while they change precision rebuilds them
         for role in later:
             progress(f"quantizing {role} to {job.precision}")
-            quantize_graph(scratch / names.graph_file(role), job.precision, model=job.model, attention=KIND)
+            quantize_graph(scratch / names.graph_file(role), job.precision, model=job.model, attention=KIND,
+                           embedding=embedding)
         progress(f"measuring what {job.precision} changes in the {job.model}'s logits")
         for role, effect in _effect(job, builds, shared, scratch).items():
             results[role].update(effect)
         state.record(job.model, results)  # before the files count as built: a resumed run never re-checks
         for role in later:                # a quantized file against fp32 tolerances
-            state.mark_built(role)
+            state.mark_built(role, embedding.report(role) if embedding is not None else {})
     state.record(job.model, results)
     return results
 

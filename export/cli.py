@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
               help="the same for the draft alone (default: --gguf-blocks), e.g. --gguf-blocks widen "
                    "--draft-gguf-blocks exact: a target near the file's quality beside a small, fast draft (the "
                    "target checks every draft token, so the draft's precision changes speed, never the output)")
+    flags.add(prec, E, "embedding", choices=("quantized", "float"),
+              help="the token embedding of an int8/int4 model: quantized stores it as the .gguf source's own blocks "
+                   "where they reproduce the file's values exactly (Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0; a Q4_K_M "
+                   "file's Q4_K embedding: 6 bits per weight) and as 8-bit blocks of 32 otherwise (9 bits per "
+                   "weight), looked up with standard ONNX operators; float keeps it float32 (the largest tensor "
+                   "of a small model: 933 MB of the Qwen2.5-Coder 1.5B target)")
     out = parser.add_argument_group("output")
     flags.add(out, E, "output", "--output", "-o", required=True, type=Path,
               help="a new folder of its own (absent or empty; never the model's folder or one holding it)")

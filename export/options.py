@@ -25,6 +25,7 @@ class ExportOptions:
     draft_precision: str = "fp32"
     gguf_blocks: str = "exact"  # a GGUF source's blocks: exact | widen | requantize (export/gguf_blocks.py)
     draft_gguf_blocks: str | None = None  # the draft's, when it differs (None: gguf_blocks)
+    embedding: str = "quantized"  # a quantized model's token embedding: quantized | float (export/embedding.py)
     draft_vocab: int | None = None  # the draft's LM head scores only the N most likely ids (export/vocab_subset.py)
     resume: bool = False  # keep the scratch folder if the run stops; continue one a stopped run kept
     whole_graphs: bool = False  # trace each graph whole with all weights in memory (the exporter before streaming)

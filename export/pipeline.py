@@ -24,7 +24,7 @@ from mirrorsd.export.options import DEFAULT_TOP_K, ExportOptions
 from mirrorsd.export.gguf_blocks import check_mode
 from mirrorsd.export.quantize import check_precision
 from mirrorsd.export.streaming import graph as streaming_graph
-from mirrorsd.export import vocab_subset
+from mirrorsd.export import embedding, vocab_subset
 from mirrorsd.output_folder import EXPORT, StagedFolder, check_output
 
 TARGET_GRAPHS = (prefix, exit_head, suffix)  # graph modules (graphs/base.py), in validation order
@@ -56,6 +56,7 @@ def export(options: ExportOptions, progress: Callable[[str], None] = lambda step
     check_precision(options.draft_precision, "--draft-precision")
     check_mode(options.gguf_blocks)
     check_mode(options.draft_gguf_blocks or options.gguf_blocks)
+    embedding.check_mode(options.embedding)
     _check_fp16(options, None)
     if options.exit_layer is None and options.exit_hits is not None and options.exit_profile is not None:
         from mirrorsd.export.exit_choice import read_inputs
@@ -90,9 +91,9 @@ def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_lay
     state = open_state(scratch, _fingerprint(options, target, draft))
     optional = _optional_graphs(options, draft) + ((streaming,) if streaming else ())
     jobs = (ModelJob("target", target, TARGET_GRAPHS, options.target_precision, exit_layer, options.top_k,
-                     options.whole_graphs, options.gguf_blocks),
+                     options.whole_graphs, options.gguf_blocks, options.embedding),
             ModelJob("draft", draft, DRAFT_GRAPHS + optional, options.draft_precision, exit_layer, options.top_k,
-                     options.whole_graphs, options.draft_gguf_blocks or options.gguf_blocks))
+                     options.whole_graphs, options.draft_gguf_blocks or options.gguf_blocks, options.embedding))
     graphs = {}
     for job in jobs:
         for role, (module, build, validation) in run_job(job, scratch, state, progress, on_layer).items():

@@ -20,7 +20,8 @@ differed from ar on 2 of 12 prompts (docs/bench/rejected-int8-activation-target)
 Not ``quantize_dynamic``: it scales activations per *tensor*, so a row's result depends on the other rows of the
 batch; a verification window (gamma + 1 rows) would then not reproduce single-row decoding and SD would stop being
 lossless (tests/test_quantize.py caught exactly that). MatMulNBits quantizes activations per block *within a row*.
-The embedding (a Gather) stays fp32. A tied LM head is a MatMul on its own constant-folded initializer in these
+The token embedding (a Gather) becomes 8-bit blocks or the GGUF's own blocks (export/embedding.py; ``--embedding
+float`` keeps it fp32). A tied LM head is a MatMul on its own constant-folded initializer in these
 TorchScript-traced graphs, so it is quantized like every other MatMul.
 Greedy losslessness is relative to the *exported target graphs*: with an int8/int4 target, every decoder emits
 exactly what target-only decoding on those quantized graphs emits, not what the fp32 model would.
@@ -57,18 +58,22 @@ def accuracy_level(model: str, attention: str) -> int:
 
 
 def quantize_model(model, precision: str, kind: str = "target", attention: str = "eager", blocks=None,
-                   role: str = "", rounding=None):
+                   role: str = "", rounding=None, embedding=None):
     """The one quantization step, for whole graphs and for the pieces of a layer-streamed export alike: every
     MatMul whose weight is an initializer becomes MatMulNBits (``attention``: the folder's ``Manifest.attention``). Each MatMul's result depends on its weight and the
     settings above only, so quantizing a graph piece by piece equals quantizing it whole.
     ``blocks``: a gguf_blocks.BlockPlan whose carried GGUF blocks replace quantizing the weights it maps exactly
     (same bits and block; float zero points for Q4_K), counted under graph ``role``. ``rounding``: a
     rounding.RoundingOptions that replaces ONNX Runtime's round-to-nearest by a scale search and/or an 8-bit LM
-    head (same layout)."""
+    head (same layout). ``embedding``: an embedding.EmbeddingPlan for the token embedding's Gather (None: a
+    plan of mode "quantized" over ``blocks``)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    from mirrorsd.export.embedding import EmbeddingPlan, replace_embeddings
+
     fold_weight_identities(model.graph)
+    replace_embeddings(model, embedding or EmbeddingPlan("quantized", blocks), role)
     if blocks is not None:
         from mirrorsd.export.gguf_blocks import replace_matmuls
 
@@ -84,7 +89,7 @@ def quantize_model(model, precision: str, kind: str = "target", attention: str =
 
 
 def quantize_graph(path: Path, precision: str, source: Path | None = None, model: str = "target",
-                   attention: str = "eager", rounding=None) -> None:
+                   attention: str = "eager", rounding=None, embedding=None) -> None:
     """Write a quantized ``path`` (plus ``path.data`` when large) from ``source`` (default: ``path`` itself).
 
     ``attention`` is the folder's ``Manifest.attention``. Old files at ``path`` are unlinked, never written through.
@@ -93,18 +98,19 @@ def quantize_graph(path: Path, precision: str, source: Path | None = None, model
     if precision == "fp32":
         return
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".quant-{path.stem}-") as scratch:
-        _nbits(source or path, Path(scratch) / path.name, precision, model, attention, rounding)
+        _nbits(source or path, Path(scratch) / path.name, precision, model, attention, rounding, embedding)
         for old in (path, path.with_name(path.name + ".data")):
             old.unlink(missing_ok=True)
         for new in Path(scratch).iterdir():
             shutil.move(str(new), str(path.parent / new.name))
 
 
-def _nbits(src: Path, dst: Path, precision: str, kind: str, attention: str, rounding=None) -> None:
+def _nbits(src: Path, dst: Path, precision: str, kind: str, attention: str, rounding=None,
+           embedding=None) -> None:
     import onnx
 
     result = quantize_model(onnx.load(str(src), load_external_data=True), precision, kind, attention,
-                            rounding=rounding)
+                            role=dst.stem, rounding=rounding, embedding=embedding)
     large = result.ByteSize() >= PROTOBUF_LIMIT
     onnx.save_model(result, str(dst), save_as_external_data=large, all_tensors_to_one_file=True,
                     location=dst.name + ".data" if large else None, size_threshold=1024)

@@ -23,13 +23,16 @@ from mirrorsd.output_folder import EXPORT, StagedFolder, check_output
 
 def requantize(source: Path, output: Path, target_precision: str | None = None, draft_precision: str | None = None,
                force: bool = False, progress: Callable[[str], None] = lambda step: None,
-               scale_search: str = "none", head_bits: int | None = None) -> Path:
+               scale_search: str = "none", head_bits: int | None = None, embedding: str = "quantized") -> Path:
     """Quantize a copy of ``source`` into ``output``; a precision left as None keeps that model as it is.
-    ``scale_search`` and ``head_bits``: rounding.py's options (defaults: ONNX Runtime's round-to-nearest)."""
+    ``scale_search`` and ``head_bits``: rounding.py's options (defaults: ONNX Runtime's round-to-nearest);
+    ``embedding``: the token embedding's form (embedding.py; quantized: 8-bit blocks, float: as it is)."""
     from mirrorsd.export import validate
+    from mirrorsd.export.embedding import EmbeddingPlan, check_mode
     from mirrorsd.export.rounding import RoundingOptions
 
     RoundingOptions(scale_search, head_bits)  # checks both before anything is read
+    check_mode(embedding)
 
     source = Path(source).expanduser().resolve()
     manifest = load_manifest(source)
@@ -60,16 +63,18 @@ def requantize(source: Path, output: Path, target_precision: str | None = None, 
                 continue
             dest = stage.path / item.name
             shutil.copytree(item, dest) if item.is_dir() else _copy(item, dest)
-        effects = {}
+        effects, counts = {}, {}
         for model, precision in plan:
             progress(f"quantizing the {model} to {precision}")
             info = manifest.target if model == "target" else manifest.draft
             rounding = _rounding(manifest, info, scale_search, head_bits, progress)
+            table = EmbeddingPlan(embedding)
             before, mask = validate.model_logits(source, model, info, manifest.exit_layer, kv)
             for role in roles[model]:  # read from the source folder: onnx refuses hard-linked external data
                 file = manifest.graph(role).file
                 quantize_graph(stage.path / file, precision, source=source / file, model=model,
-                               attention=manifest.attention, rounding=rounding)
+                               attention=manifest.attention, rounding=rounding, embedding=table)
+                counts[role] = table.report(file.removesuffix(".onnx"))
             after, _ = validate.model_logits(stage.path, model, info, manifest.exit_layer, kv)
             effects[registry.effect_owner(model)] = validate.quantization_effect(model, before, after, mask)
             text = validate.text_batch(_encoder(source, manifest), info)
@@ -77,11 +82,12 @@ def requantize(source: Path, output: Path, target_precision: str | None = None, 
                 fp32, _ = validate.model_logits(source, model, info, manifest.exit_layer, kv, batch=text)
                 quantized, _ = validate.model_logits(stage.path, model, info, manifest.exit_layer, kv, batch=text)
                 effects[registry.effect_owner(model)].update(validate.text_agreement(model, fp32, quantized))
-        graphs = {role: dataclasses.replace(spec, validation={**spec.validation, **effects.get(role, {})})
+        graphs = {role: dataclasses.replace(spec, validation={**spec.validation, **effects.get(role, {}),
+                                                              **counts.get(role, {})})
                   for role, spec in manifest.graphs.items()}
         kept = {f"{model}_precision": precision or done.get(f"{model}_precision", "fp32")
                 for model, precision in wanted.items()}
-        options = {**done, **kept, "requantized_from": str(source)}
+        options = {**done, **kept, "requantized_from": str(source), "embedding": embedding}
         if scale_search != "none" or head_bits is not None:
             options["rounding"] = {"scale_search": scale_search, "head_bits": head_bits}
         dataclasses.replace(manifest, graphs=graphs, export_options=options).save(stage.path)

@@ -3,6 +3,7 @@
     {"fingerprint": {...options, sources, mirrorsd version...},
      "built": ["prefix", "exit_head"],                        graph files complete in the scratch folder
      "validated": {"target": {"prefix": {"split_hidden": 3e-6}, ...}},   checks (and quantization effects) per model
+     "counts": {"prefix": {"gguf_carried.Q4_K": 98, "embedding.Q4_K": 1}, ...},  what writing each graph counted
     }
 
 A run with --resume continues only a state with the same fingerprint: the same options and the same source files
@@ -29,13 +30,16 @@ class ResumeState:
     fingerprint: dict
     built: list[str] = field(default_factory=list)
     validated: dict[str, dict] = field(default_factory=dict)
+    counts: dict[str, dict] = field(default_factory=dict)  # role -> what writing it counted (GGUF blocks, embedding)
 
     def is_built(self, role: str, file: str) -> bool:
         return role in self.built and (self.folder / file).is_file()
 
-    def mark_built(self, role: str) -> None:
+    def mark_built(self, role: str, counts: dict | None = None) -> None:
         if role not in self.built:
             self.built.append(role)
+        if counts is not None:
+            self.counts[role] = counts
         self.save()
 
     def unbuild(self, roles) -> None:
@@ -50,7 +54,7 @@ class ResumeState:
         path = self.folder / STATE_FILE
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "built": self.built,
-                                   "validated": self.validated}, indent=1))
+                                   "validated": self.validated, "counts": self.counts}, indent=1))
         os.replace(tmp, path)
 
     def remove(self) -> None:
@@ -77,7 +81,8 @@ def open_state(folder: Path, fingerprint: dict) -> ResumeState:
         raise ExportOptionError(f"The partial export in '{folder}' was made differently",
                                 f"these differ from this run: {', '.join(changed)}",
                                 f"rerun with the same options and models, or delete '{folder}' to start over")
-    return ResumeState(folder, fingerprint, list(saved.get("built", [])), dict(saved.get("validated", {})))
+    return ResumeState(folder, fingerprint, list(saved.get("built", [])), dict(saved.get("validated", {})),
+                       dict(saved.get("counts", {})))
 
 
 def _read_state(path: Path, folder: Path) -> dict:
@@ -89,7 +94,8 @@ def _read_state(path: Path, folder: Path) -> dict:
     saved = read_json(path, JSON_LIMIT, lambda why: ExportOptionError(f"The partial export's {path.name} in "
                                                                       f"'{folder}' is damaged", why, fix))
     if not isinstance(saved, dict) or not isinstance(saved.get("fingerprint"), dict) or \
-            not isinstance(saved.get("built", []), list) or not isinstance(saved.get("validated", {}), dict):
+            not isinstance(saved.get("built", []), list) or not isinstance(saved.get("validated", {}), dict) or \
+            not isinstance(saved.get("counts", {}), dict):
         raise ExportOptionError(f"The partial export's {path.name} in '{folder}' is damaged",
                                 "it is not the object mirrorsd-export writes", fix)
     return saved

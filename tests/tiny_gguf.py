@@ -40,6 +40,8 @@ def write_gguf(hf_folder: Path, path: Path, types: dict[str, str], default: str 
             writer.add_tensor(name, data)
         elif qtype.name in K_QUANT_LEVELS:
             writer.add_tensor(name, k_quant_blocks(data, qtype.name), raw_dtype=qtype)
+        elif qtype.name == "Q6_K":
+            writer.add_tensor(name, q6_k_blocks(data), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
@@ -105,3 +107,23 @@ def _add_tokenizer(writer, hf_folder: Path, config: dict) -> None:
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_pad_token_id(config["pad_token_id"])
+
+
+def q6_k_blocks(w: np.ndarray) -> np.ndarray:
+    """w [N, K] (K a multiple of 256) as Q6_K blocks [N, K/256 * 210]: per sub-block of 16 a signed 8-bit scale under
+    one fp16 d per block, codes q - 32 in -32..31 (llama.cpp's layout: 128 bytes of low nibbles, 64 of 2-bit highs,
+    16 int8 scales, d), round-to-nearest without llama.cpp's search."""
+    n, k = w.shape
+    sub = w.reshape(n, k // 256, 16, 16).astype(np.float64)
+    scale = np.abs(sub).max(axis=-1) / 31  # [N, nb, 16]
+    d = (scale.max(axis=-1) / 127).astype(np.float16)  # [N, nb]
+    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1).astype(np.float64)[..., None]), -128, 127).astype(np.int8)
+    step = d.astype(np.float64)[..., None] * sc
+    q = (np.clip(np.rint(sub / np.where(step != 0, step, 1)[..., None]), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(n, -1, 2, 4, 32)  # [N, nb, half, quarter, 32]: weight 32 * quarter + i of each half of 128
+    low = (q[:, :, :, 0:2] & 0x0F) | ((q[:, :, :, 2:4] & 0x0F) << 4)  # [N, nb, 2, 2, 32]: bytes i, 32 + i
+    high = (q[:, :, :, 0] >> 4) | ((q[:, :, :, 1] >> 4) << 2) | ((q[:, :, :, 2] >> 4) << 4) | \
+        ((q[:, :, :, 3] >> 4) << 6)  # [N, nb, 2, 32]
+    parts = [low.reshape(n, -1, 128), high.reshape(n, -1, 64), sc.view(np.uint8).reshape(n, -1, 16),
+             d.view(np.uint8).reshape(n, -1, 2)]
+    return np.concatenate(parts, axis=-1).astype(np.uint8).reshape(n, -1)

@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "layout either way (symmetric, block 32), so every mode stays exact")
     quant.add_argument("--head-bits", type=int, choices=(4, 8),
                        help="bits of the LM head (default: the model's precision); 8 keeps the head finer")
+    quant.add_argument("--embedding", choices=("quantized", "float"), default="quantized",
+                       help="the token embedding of each model quantized here: quantized = 8-bit blocks of 32 "
+                            "(9 bits per weight; the lookup is standard ONNX operators); float = keep float32")
     ev = sub.add_parser("eval", help="perplexity and top-1 agreement with a reference on real text (quality of a "
                                      "quantized export)", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                         description="Score models on a text: perplexity, and the share of positions whose most likely "
@@ -337,7 +340,8 @@ def _quantize(args) -> int:
     from mirrorsd.export.requantize import requantize
 
     out = requantize(args.model, args.output, args.target_precision, args.draft_precision, args.force,
-                     lambda step: print(f"{step} ...", file=sys.stderr, flush=True), args.scale_search, args.head_bits)
+                     lambda step: print(f"{step} ...", file=sys.stderr, flush=True), args.scale_search, args.head_bits,
+                     args.embedding)
     write_stdout(f"{out}\n")
     return 0
 
