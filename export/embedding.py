@@ -37,6 +37,9 @@ MODES = ("quantized", "float")
 BLOCK = 32  # weights per scale of the int8 form
 PACKED_TYPES = {"Q4_0": 8, "Q4_K": 0}  # GGUF type -> the bias its 4-bit code carries (value = code - bias)
 BYTE_TYPES = {"Q5_0": 16, "Q8_0": 128, "Q5_K": 0, "Q6_K": 32}  # one code per byte
+# bits per weight of each stored form: codes + float32 scales (and offsets) per block of 32 (Q6_K: 16)
+BITS_PER_WEIGHT = {"Q4_0": 5, "Q4_K": 6, "Q5_0": 9, "Q8_0": 9, "int8": 9, "Q5_K": 10, "Q6_K": 10}
+COUNT_PREFIX = "embedding."  # a graph's validation counts its table's form as embedding.KIND
 
 
 def check_mode(value: str) -> str:
@@ -44,6 +47,14 @@ def check_mode(value: str) -> str:
         raise ExportOptionError(f"--embedding {value!r} is not a mode", f"choose one of {', '.join(MODES)}",
                                 "for example --embedding quantized")
     return value
+
+
+def stored_bytes(validation: dict, vocab: int, hidden: int, float_bytes: int = 4) -> int:
+    """Bytes of a graph's token embedding as stored, from the form its ``validation`` counts (none counted: a float
+    table of ``float_bytes`` per weight; the lookup's 256-entry byte table is left out)."""
+    kind = next((k[len(COUNT_PREFIX):] for k in validation if k.startswith(COUNT_PREFIX)), None)
+    bits = BITS_PER_WEIGHT.get(kind, 8 * float_bytes)
+    return vocab * hidden * bits // 8
 
 
 def embedding_names() -> set[str]:
@@ -168,7 +179,7 @@ class EmbeddingPlan:
         if found is None and weight.shape[1] % BLOCK:
             return None
         found = found or int8_table(weight)
-        self.counts.setdefault(role, Counter())[f"embedding.{found.kind}"] += 1
+        self.counts.setdefault(role, Counter())[COUNT_PREFIX + found.kind] += 1
         return found
 
     def _from_gguf(self, name: str, weight: np.ndarray) -> QuantizedTable | None:

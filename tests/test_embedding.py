@@ -163,3 +163,21 @@ def test_mirrorsd_quantize_takes_the_embedding_option(exported, tmp_path):
         manifest = json.loads((out / "mirrorsd.json").read_text())
         assert manifest["export_options"]["embedding"] == mode
         assert ("embedding.int8" in manifest["graphs"]["draft"]["validation"]) != kept
+
+
+def test_the_bandwidth_ceiling_leaves_out_the_stored_table(exported, tmp_path):
+    """ar's ceiling counts the weights a step reads: the prefix and suffix files less the embedding as stored
+    (float or quantized), within the lookup's small byte table."""
+    import onnx
+    from onnx import numpy_helper
+
+    from mirrorsd.apps.bandwidth import target_weight_bytes
+    from mirrorsd.export.requantize import requantize
+    from mirrorsd.manifest import load_manifest
+
+    fp32 = exported("llama")
+    for folder in (fp32, requantize(fp32, tmp_path / "q", target_precision="int4")):
+        files = sum(p.stat().st_size for role in ("prefix", "suffix") for p in folder.glob(f"{role}.onnx*"))
+        table = sum(numpy_helper.to_array(i).nbytes for i in onnx.load(str(folder / "prefix.onnx")).graph.initializer
+                    if "embed_tokens.weight" in i.name and not i.name.endswith((".values", ".blocks", ".hidden")))
+        assert 0 <= target_weight_bytes(folder, load_manifest(folder)) - (files - table) <= 64

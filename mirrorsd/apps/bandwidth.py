@@ -51,16 +51,19 @@ def copy_bandwidth(threads: int = 1, megabytes: int = 512, repeats: int = 5) -> 
 
 def target_weight_bytes(folder: Path, manifest: Manifest) -> int:
     """Bytes of the target graphs a decode step reads: prefix + suffix files (with external data), less the
-    embedding table, which is gathered (one row per token), not read whole. The exit head is not counted (ar
-    does not run it)."""
+    embedding table as stored (float, or quantized: export/embedding.py), which is gathered (one row per token),
+    not read whole. The exit head is not counted (ar does not run it)."""
+    from mirrorsd.export.embedding import stored_bytes
+
     total = 0
     for role in ("prefix", "suffix"):
         path = Path(folder) / manifest.graph(role).file
         for file in (path, path.with_name(path.name + ".data")):
             if file.is_file():
                 total += file.stat().st_size
-    width = 2 if manifest.export_options.get("target_precision") == "fp16" else 4  # int8/int4 keep it fp32
-    embedding = manifest.target.vocab_size * manifest.target.hidden_size * width
+    width = 2 if manifest.export_options.get("target_precision") == "fp16" else 4  # unless counted as quantized
+    embedding = stored_bytes(manifest.graph("prefix").validation, manifest.target.vocab_size,
+                             manifest.target.hidden_size, width)
     return max(total - embedding, 1)
 
 
