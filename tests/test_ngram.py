@@ -379,6 +379,50 @@ def test_auto_switches_to_ngram_when_its_replay_pays(pipe):
     assert outcome.counters.accepted > 0  # copied windows were verified and accepted
 
 
+
+def test_leaving_a_draft_for_ngram_counts_only_the_recent_replay():
+    """An answer that opened by copying its prompt: the whole replay says ngram pays, the replay since the last
+    check says it no longer does. From ar (no draft to give up) the whole replay decides and auto takes ngram; from
+    a drafting strategy whose draft is accepted, only the recent replay counts and auto stays; a recent replay that
+    still copies takes ngram from there too."""
+    from mirrorsd.runtime.planner.auto import AutoProposer
+    from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts
+    from mirrorsd.runtime.planner.lookup import LookupCounts
+
+    costs = SplitCosts(target_threads=2, draft_threads=2, verify_s=(0.010, 0.0105, 0.011, 0.0115, 0.012),
+                       exit_s=(0.0,) * 5, draft1_s=0.002, branch_fwd_s=0.0025, branch_batch=2)
+    copying = tuple(LookupCounts(1 + 4 * 20, (1, 0, 0, 0, 20)[:g + 1]) if g == 4 else LookupCounts(21, (21,) +
+                    (0,) * g) for g in range(1, 5))  # g = 4: 20 windows of 4 copied tokens, + 1 one-row step
+    fresh = tuple(LookupCounts(20, (20,) + (0,) * g) for g in range(1, 5))  # nothing copied: one row per step
+
+    def auto(alpha: float, whole: tuple) -> AutoProposer:
+        proposer = AutoProposer(lambda s: None, costs, Acceptance(alpha, alpha, source="test"), context=10,
+                                new_tokens=400)
+        proposer.replay.all_counts = lambda: whole  # the replay's counts over the whole text so far
+        return proposer
+
+    from_ar = auto(0.0, copying)
+    assert from_ar.strategy.mode == "ar"
+    from_ar._take_lookup(20.0, fresh)
+    assert from_ar._pending is not None and from_ar._pending.strategy.mode == "ngram"
+    from_sd = auto(0.9, copying)
+    assert from_sd.strategy.mode in ("sd", "mirror")  # a strategy that runs the draft
+    from_sd._take_lookup(20.0, fresh)
+    assert from_sd._pending is None and not from_sd.switches
+    from_sd._take_lookup(20.0, ())  # the first check: nothing replayed since an earlier one, only the opening
+    assert from_sd._pending is None
+    from_sd._take_lookup(20.0, copying)
+    assert from_sd._pending is not None and from_sd._pending.strategy.mode == "ngram"
+
+
+def test_lookup_counts_since_an_earlier_count():
+    from mirrorsd.runtime.planner.lookup import LookupCounts
+
+    later, earlier = LookupCounts(30, (10, 2, 5)), LookupCounts(12, (6, 1, 1))
+    assert later.since(earlier) == LookupCounts(18, (4, 1, 4))
+    assert later.since(None) == later
+
+
 def test_bench_report_has_lookup_rates_per_category():
     from types import SimpleNamespace
 
@@ -395,3 +439,13 @@ def test_bench_report_has_lookup_rates_per_category():
     assert "| qa | 20 | 0.00 | 0.00 | 1.00 |" in lines
     assert "| all | 30 | 0.13 | 0.50 | 1.20 |" in lines
     assert _lookup_lines(SimpleNamespace(runs=[run("qa", "ar", 5, 0, 0, 0)]), ["qa"]) == []
+
+
+def test_auto_runs_sd_and_mirror_with_the_lookahead_unless_told_not_to():
+    from mirrorsd.runtime.planner.latency import Strategy
+    from mirrorsd.runtime.planner.planner import concrete
+
+    for mode in ("sd", "mirror"):
+        assert concrete(GenerationConfig(), Strategy(mode, 2)).ngram is True
+        assert concrete(GenerationConfig(ngram=False), Strategy(mode, 2)).ngram is False
+    assert GenerationConfig(mode="sd").ngram is None  # fixed sd and mirror: off unless asked for

@@ -77,6 +77,7 @@ VARIANTS = {  # bench mode name -> GenerationConfig fields
     **{mode: {"mode": mode} for mode in (*MODES, AUTO)},  # auto: the mode the latency model picks (its why: stats)
     "sd-ngram": {"mode": "sd", "ngram": True},  # sd whose draft checks a prompt-lookup guess as lookahead
     "mirror-ngram": {"mode": "mirror", "ngram": True},  # the same for mirror's fresh windows (misses)
+    "auto-nolookahead": {"mode": AUTO, "ngram": False},  # auto whose sd and mirror run without that lookahead
     "mirror-noexit": {"mode": "mirror", "exit_head": False},  # draft runner-ups only: no exit-head pass
     "mirror-cap": {"mode": "mirror", "branch_budget": "cap"},  # every step rolls out all branches
     # more branches per step in wider batches (3 rows cost little more than 2 for a bandwidth-bound int4 draft)
@@ -94,6 +95,10 @@ NATIVE_VARIANTS = {
     "c-mirror": {"mode": "mirror"},
     "c-mirror-noexit": {"mode": "mirror", "exit_head": False},
 }
+
+
+def runs_auto(modes) -> bool:
+    return any(VARIANTS.get(mode, {}).get("mode") == AUTO for mode in modes)
 
 
 def variant(mode: str) -> dict:
@@ -196,7 +201,7 @@ def _auto_pipeline(options: BenchOptions, modes: list[str], devices, pipe):
     from mirrorsd.runtime import Pipeline
     from mirrorsd.runtime.planner import loading
 
-    if "auto" not in modes:
+    if not runs_auto(modes):
         yield pipe
         return
     request, choice = loading.planned_request(pipe.folder, pipe.manifest, replace(devices, plan_from_profile=True),
@@ -254,13 +259,13 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
             prompt_ids[question.question_id] = ids
             for mode in rotated(list(configs), i):
                 config = configs[mode]
-                own = auto_pipe if mode == "auto" else pipe
+                own = pipe if isinstance(config, _NativeRun) or config.mode != AUTO else auto_pipe
                 run = config(ids) if isinstance(config, _NativeRun) else own.generate(ids, config)
                 outs.setdefault(question.question_id, {})[mode] = run
                 bar.update(1)
         bar.close()
         manifest = pipe.manifest
-        if "auto" in modes:  # auto plans from the profile anyway: check its latency model against the fixed modes
+        if runs_auto(modes):  # auto plans from the profile anyway: check its latency model against the fixed modes
             pipe.profile()
             result.costs = pipe.planner.costs(pipe.thread_key)
     return outs, prompt_ids, manifest

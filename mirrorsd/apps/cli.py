@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the fixed-shape draft (exported with --static-draft) on any device")
     gen.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto", help=KERNELS_HELP)
     gen.add_argument("--shared-pool", action=argparse.BooleanOptionalAction, default=None, help=SHARED_POOL_HELP)
-    flags.add(gen, G, "ngram", help="sd, mirror: feed fresh draft windows a prompt-lookup guess as lookahead (the "
-                                    "same windows, fewer draft forwards where the text repeats)")
+    flags.add(gen, G, "ngram", action=argparse.BooleanOptionalAction,
+              help="sd, mirror: feed fresh draft windows a prompt-lookup guess as lookahead (the same windows, fewer "
+                   "draft forwards where the text repeats); default: off for sd and mirror, on inside auto")
     flags.add(gen, G, "ngram_min", help="ngram, --ngram: the shortest earlier n-gram a lookup matches")
     flags.add(gen, G, "ngram_max", help="ngram, --ngram: the longest n-gram a lookup tries first")
     flags.add(gen, G, "streaming", "--no-streaming",

@@ -30,6 +30,13 @@ class LookupCounts:
     def steps(self) -> int:
         return sum(self.widths)
 
+    def since(self, earlier: "LookupCounts | None") -> "LookupCounts":
+        """What was replayed after ``earlier`` (an earlier count of the same replay; None: from the start)."""
+        if earlier is None:
+            return self
+        return LookupCounts(self.tokens - earlier.tokens,
+                            tuple(a - b for a, b in zip(self.widths, earlier.widths)))
+
     @property
     def windows(self) -> int:
         """Steps that verified a copied window (more than one row)."""

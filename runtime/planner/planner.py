@@ -77,6 +77,7 @@ class Planner:
 
 
 def concrete(config: GenerationConfig, strategy: Strategy) -> GenerationConfig:
-    """The fixed-mode config that runs ``strategy`` with ``config``'s other settings."""
+    """The fixed-mode config that runs ``strategy`` with ``config``'s other settings (auto's sd and mirror take the
+    prompt-lookup lookahead unless ``config.ngram`` is False)."""
     return replace(config, mode=strategy.mode, gamma=max(strategy.gamma, 1), exit_head=strategy.exit_head,
-                   streaming=strategy.streaming)
+                   streaming=strategy.streaming, ngram=config.ngram is not False)
