@@ -2,7 +2,11 @@
 
 Each graph module says what it checks and with which tolerance (graphs/base.py); this module gives them the
 means: a validation batch (2 rows, the second left-padded), runs of a graph on it, the PyTorch reference, and the
-comparison |onnx - torch| <= atol + rtol * max|torch| over the valid positions.
+comparison |onnx - torch| <= atol + rtol * max|torch| over the valid positions. Where that fails, the bound becomes
+NOISE_FACTOR times PyTorch's own variation on the same batch (the reference computed again with one thread: another
+summation order), if larger: a model whose activations reach the thousands (Qwen2.5-0.5B's first-token "massive
+activations", ~2000) moves its logits by 0.036 between PyTorch at two threads and at one, more than the fixed
+bound, and a wrong graph moves them by far more than that.
 
 A graph runs from its file (FileRunner) or, when the file holds quantized weights and the fp32 graph never existed,
 piece by piece in fp32 (chain_runner.py's ChainRunner: each layer's piece built again from the checkpoint, one at a
@@ -22,6 +26,7 @@ from mirrorsd.errors import ValidationError
 
 SEQ_LEN, SPLIT_AT, PAD = 9, 5, 2
 SEEDS = {"target": 0, "draft": 1}  # the validation batch of each model (the quantization effect uses it too)
+NOISE_FACTOR = 2.0  # ONNX may differ from PyTorch by at most this times PyTorch's own thread-count variation
 
 
 @dataclass(frozen=True)
@@ -44,12 +49,17 @@ def sample_batch(vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.
     return ids, mask, positions
 
 
-def compare(name: str, got: np.ndarray, want: np.ndarray, valid: np.ndarray, tolerance: tuple[float, float]) -> Check:
-    """Max abs difference over valid (non-padding) positions; ``valid`` is [B, S] of 0/1."""
+def compare(name: str, got: np.ndarray, want: np.ndarray, valid: np.ndarray, tolerance: tuple[float, float],
+            noise=None) -> Check:
+    """Max abs difference over valid (non-padding) positions; ``valid`` is [B, S] of 0/1. ``noise``: a callable
+    giving PyTorch's own variation on these positions, asked only when the fixed bound fails (module docstring)."""
     atol, rtol = tolerance
     sel = valid.astype(bool)
     diff = float(np.max(np.abs(got[sel] - want[sel]))) if sel.any() else 0.0
-    return Check(name, diff, atol + rtol * float(np.max(np.abs(want[sel]))))
+    bound = atol + rtol * float(np.max(np.abs(want[sel]))) if sel.any() else atol
+    if diff > bound and noise is not None:
+        bound = max(bound, NOISE_FACTOR * float(noise()))
+    return Check(name, diff, bound)
 
 
 @dataclass(frozen=True)
@@ -135,14 +145,30 @@ class Validation:
     def batch(self, model: str):
         return sample_batch(self.source.info.vocab_size, SEEDS[model])
 
-    def reference(self, model: str):
-        """(logits, hidden state at the exit layer) of the whole model on its validation batch, computed once."""
-        key = ("reference", model)
+    def reference(self, model: str, threads: int | None = None):
+        """(logits, hidden state at the exit layer) of the whole model on its validation batch, computed once
+        (``threads``: with PyTorch limited to that many threads, for noise())."""
+        key = ("reference", model, threads)
         if key not in self.shared:
             ids, mask, pos = self.batch(model)
             exit_layer = self.exit_layer if model == "target" else None
-            self.shared[key] = torch_reference(self.source, ids, mask, pos, self.source.info.num_layers, exit_layer)
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads or before)
+            try:
+                self.shared[key] = torch_reference(self.source, ids, mask, pos, self.source.info.num_layers,
+                                                   exit_layer)
+            finally:
+                torch.set_num_threads(before)
         return self.shared[key]
+
+    def noise(self, model: str, output: int, columns: slice = slice(None)):
+        """A callable: max |reference at one thread - reference| of reference ``output`` (0 logits, 1 the exit
+        hidden state) over the batch's valid positions in ``columns``; PyTorch's own fp32 variation there."""
+        def measure() -> float:
+            mask = self.batch(model)[1][:, columns].astype(bool)
+            one, default = self.reference(model, 1)[output], self.reference(model)[output]
+            return float(np.max(np.abs(one[:, columns][mask] - default[:, columns][mask]))) if mask.any() else 0.0
+        return measure
 
 
 def require_all_passed(checks: list[Check]) -> None:

@@ -27,6 +27,7 @@ def validate(v) -> list:
     out = v.runner.run(chunked(names.INPUT_IDS, (ids, ids[:, :SPLIT_AT], ids[:, SPLIT_AT:]), mask, pos))
     v.shared[ROLE] = out
     want, _ = v.reference(MODEL)
-    return [compare("draft_logits", out["full"][names.LOGITS], want, mask, CHECKS["draft_logits"]),
+    return [compare("draft_logits", out["full"][names.LOGITS], want, mask, CHECKS["draft_logits"],
+                    v.noise(MODEL, 0)),
             compare("draft_cached_logits", out["b"][names.LOGITS], want[:, SPLIT_AT:], mask[:, SPLIT_AT:],
-                    CHECKS["draft_cached_logits"])]
+                    CHECKS["draft_cached_logits"], v.noise(MODEL, 0, slice(SPLIT_AT, None)))]

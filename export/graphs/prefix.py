@@ -25,4 +25,5 @@ def validate(v) -> list:
     out = v.runner.run(chunked(names.INPUT_IDS, (ids, ids[:, :SPLIT_AT], ids[:, SPLIT_AT:]), mask, pos))
     v.shared[ROLE] = out  # the suffix and the exit head run on these hidden states
     _, want_hidden = v.reference(MODEL)
-    return [compare("split_hidden", out["full"][names.HIDDEN_STATES], want_hidden, mask, CHECKS["split_hidden"])]
+    return [compare("split_hidden", out["full"][names.HIDDEN_STATES], want_hidden, mask, CHECKS["split_hidden"],
+                    v.noise(MODEL, 1))]

@@ -29,6 +29,7 @@ def validate(v) -> list:
     out = v.runner.run(chunked(names.HIDDEN_STATES, (hidden["full"], hidden["a"], hidden["b"]), mask, pos))
     v.shared[ROLE] = out
     want, _ = v.reference(MODEL)
-    return [compare("split_logits", out["full"][names.LOGITS], want, mask, CHECKS["split_logits"]),
+    return [compare("split_logits", out["full"][names.LOGITS], want, mask, CHECKS["split_logits"],
+                    v.noise(MODEL, 0)),
             compare("cached_logits", out["b"][names.LOGITS], want[:, SPLIT_AT:], mask[:, SPLIT_AT:],
-                    CHECKS["cached_logits"])]
+                    CHECKS["cached_logits"], v.noise(MODEL, 0, slice(SPLIT_AT, None)))]
