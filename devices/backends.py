@@ -73,6 +73,21 @@ class OpenVINOTuning:
         return ""
 
 
+# How a session's own ONNX Runtime thread pool waits (ORT_POOL_POLICY names the default in the profile cache's key,
+# so that costs measured under another policy are measured again).
+#   spinning within a run (the default, SessionSettings.spin_in_run): the workers spin between the graph's parallel
+#       sections instead of sleeping. A decode step has hundreds of them (every MatMulNBits), and waking a sleeping
+#       worker for each cost 12-16 % of ar's and sd's speed on the 2-core machines measured. At the end of every run
+#       the spinning stops (session.force_spinning_stop), so a session that is not running takes no core from one
+#       that is: sd's draft and target, and the graphs of a target step, run one after another on pools of their
+#       own. Pools that kept spinning after their runs made ar 30 % slower (docs/lab-notes/performance-log.md).
+#   sleeping: for sessions that run at the same time on the same cores (Mirror-SD's draft beside its target), where
+#       a spinning worker of one takes the core the other needs (mirror measured 9 % slower spinning).
+SPINNING_POOL = (("session.intra_op.allow_spinning", "1"), ("session.force_spinning_stop", "1"))
+SLEEPING_POOL = (("session.intra_op.allow_spinning", "0"),)
+ORT_POOL_POLICY = "spin within a run, stop at its end"
+
+
 @dataclass(frozen=True)
 class SessionSettings:
     """How to run one graph: the device request and the host threads it may use."""
@@ -85,6 +100,7 @@ class SessionSettings:
     kv_pairs: tuple[tuple[str, str], ...] = ()  # (past input, present output) names; a stateful graph needs them
     kernels: str = "ort"  # ONNX Runtime CPU: "mirrorsd" runs devices/kernels' MatMulNBits (devices/kernel_choice.py)
     shared_pool: bool = False  # ONNX Runtime: the process's one spinning pool (devices/thread_pool.py)
+    spin_in_run: bool = True  # ONNX Runtime, a pool of its own: SPINNING_POOL, else SLEEPING_POOL (see above)
 
 
 class BackendSession(Protocol):
@@ -140,8 +156,8 @@ class OrtSession:
             return opts
         opts.intra_op_num_threads = max(1, settings.threads)
         opts.inter_op_num_threads = 1
-        # Two sessions share two cores in Mirror-SD: spinning threads would steal the other session's core.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        for key, value in SPINNING_POOL if settings.spin_in_run else SLEEPING_POOL:
+            opts.add_session_config_entry(key, value)
         return opts
 
     def _open(self, make, path: Path) -> None:

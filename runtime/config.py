@@ -18,6 +18,13 @@ MODES = ("ar", "sd", "mirror", "ngram")  # target only; draft then verify; draft
 NGRAM_MAX = 16  # longest suffix n-gram a lookup may match
 AUTO = "auto"  # the mode (and its settings) the latency model predicts fastest here (runtime/planner/auto.py)
 MODE_CHOICES = (AUTO, *MODES)
+CONCURRENT_MODES = ("mirror",)  # the draft runs beside the target: their sessions share the cores at the same time
+
+
+def spins_in_run(mode: str) -> bool:
+    """Whether a pipeline opened for ``mode`` lets ONNX Runtime's workers spin within a run (DeviceRequest.spin_in_run,
+    devices/backends.py SPINNING_POOL): yes, unless the mode runs two sessions at once."""
+    return mode not in CONCURRENT_MODES
 BRANCH_BUDGETS = ("time", "cap")
 DRAFT_FAILURE = ("raise", "fallback")
 DRAFT_TIMEOUT_NEVER_S = 1e9  # a draft_timeout_s at or above this (about 31 years, or inf) waits without a limit

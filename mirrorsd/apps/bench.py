@@ -193,6 +193,23 @@ def own_threads(options: BenchOptions) -> int:
 
 
 @contextlib.contextmanager
+def _concurrent_pipeline(options: BenchOptions, modes: list[str], devices):
+    """The pipeline the modes that run the draft beside the target (mirror and its variants) run in: one whose ONNX
+    Runtime pools sleep between sections (DeviceRequest.spin_in_run, what `mirrorsd generate --mode mirror` opens);
+    None when no such mode is asked."""
+    from dataclasses import replace
+
+    from mirrorsd.runtime import Pipeline
+    from mirrorsd.runtime.config import spins_in_run
+
+    if all(spins_in_run(VARIANTS.get(mode, {}).get("mode", "")) for mode in modes):
+        yield None
+        return
+    with Pipeline.load(options.model, replace(devices, spin_in_run=False)) as concurrent:
+        yield concurrent
+
+
+@contextlib.contextmanager
 def _auto_pipeline(options: BenchOptions, modes: list[str], devices, pipe):
     """The pipeline mode auto runs in: its own one with the placement and thread split the cached profiles predict
     fastest (runtime/planner/placement.py), when that differs from the other modes' pipeline; else ``pipe``."""
@@ -226,6 +243,7 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
 
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import GenerationConfig, Pipeline
+    from mirrorsd.runtime.config import spins_in_run
 
     devices = DeviceRequest(target_threads=options.target_threads, draft_threads=options.draft_threads,
                             kernels=options.kernels, shared_pool=options.shared_pool)
@@ -235,7 +253,12 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
                   branch_batch=options.branch_batch)
     native_modes = [m for m in modes if m in NATIVE_VARIANTS]
     with Pipeline.load(options.model, devices) as pipe, _native_model(options, native_modes) as native, \
-            _auto_pipeline(options, modes, devices, pipe) as auto_pipe:
+            _auto_pipeline(options, modes, devices, pipe) as auto_pipe, \
+            _concurrent_pipeline(options, modes, devices) as concurrent_pipe:
+
+        def runs_in(config):  # auto: the planned pipeline; mirror: one whose pools sleep; the rest: pipe
+            return auto_pipe if config.mode == AUTO else pipe if spins_in_run(config.mode) else concurrent_pipe
+
         result.chat = has_chat_template(pipe)
         configs = {mode: GenerationConfig(**{**shared, "record_margins": mode == "ar", "chat": result.chat,
                                              **variant(mode)})
@@ -247,7 +270,7 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
                 if isinstance(config, _NativeRun):
                     config.warm_up(pipe.encode("Say hello.", encode_config))
                 else:
-                    (auto_pipe if config.mode == "auto" else pipe).generate(
+                    runs_in(config).generate(
                         "Say hello.", GenerationConfig(**{**config.__dict__, "max_new_tokens": 8}))
         bar = tqdm(total=len(questions) * len(configs), disable=not progress or not configs, desc="bench", unit="gen")
         for i, question in enumerate(questions):
@@ -259,8 +282,7 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
             prompt_ids[question.question_id] = ids
             for mode in rotated(list(configs), i):
                 config = configs[mode]
-                own = pipe if isinstance(config, _NativeRun) or config.mode != AUTO else auto_pipe
-                run = config(ids) if isinstance(config, _NativeRun) else own.generate(ids, config)
+                run = config(ids) if isinstance(config, _NativeRun) else runs_in(config).generate(ids, config)
                 outs.setdefault(question.question_id, {})[mode] = run
                 bar.update(1)
         bar.close()

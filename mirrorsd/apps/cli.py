@@ -226,9 +226,11 @@ def _generate(args) -> int:
     from mirrorsd.runtime import Pipeline
 
     config = generation_config(args)
+    from mirrorsd.runtime.config import spins_in_run
+
     devices = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
                             kernels=args.kernels, plan_from_profile=config.mode == "auto",
-                            shared_pool=args.shared_pool)
+                            shared_pool=args.shared_pool, spin_in_run=spins_in_run(config.mode))
     with Pipeline.load(args.model, devices) as pipe:
         on_text = None if args.json else write_stdout
         result = pipe.generate(args.prompt, config, on_text)
