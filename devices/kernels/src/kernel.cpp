@@ -16,7 +16,7 @@ namespace {
 
 constexpr int64_t kTaskBytes = 64 * 1024;  // packed bytes per ParallelFor task: many tasks per thread, few calls
 // Below this many packed bytes the calling thread does it all (~15 us at one thread's bandwidth): waking a sleeping
-// worker of ONNX Runtime's pool costs about as much (mode mirror's sessions sleep between sections, devices/backends.py).
+// worker of ONNX Runtime's pool costs about as much (mode mirror's pools sleep between sections: devices/backends.py).
 constexpr size_t kInlineBytes = 512 * 1024;
 constexpr size_t kHugePage = size_t{2} << 20;
 
