@@ -1,13 +1,13 @@
 """One ONNX Runtime thread pool shared by every CPU session of the process (``DeviceRequest.shared_pool``,
 ``--shared-pool``; mode auto takes it where its profile predicts it faster, runtime/planner/threads.py).
 
-With a pool per session, each ONNX Runtime session owns threads of its own, which sleep when idle (spinning off,
-because Mirror-SD runs the draft's and the target's sessions at once on the same cores). A pipeline holds four to
-six CPU sessions (prefix, exit head, suffix, draft, ...) and ar and sd run them one after another, so each parallel
-section of each graph starts by waking sleeping threads. With one pool for all of them whose threads spin between
-calls, they do not sleep between the graphs of a step, which made ar and sd faster on the 2-core machines
-measured (docs/performance.md). Spinning threads of *separate* pools compete instead, which made per-session pools
-with spinning on much slower (docs/lab-notes/performance-log.md, the shared thread pool).
+With a pool per session, each ONNX Runtime session owns threads of its own. A pipeline holds four to six CPU
+sessions (prefix, exit head, suffix, draft, ...) and ar and sd run them one after another. Those pools spin within a
+run and stop at its end (devices/backends.py SPINNING_POOL; mode mirror's sleep), so they no longer wake sleeping
+threads for each parallel section; before that policy, the shared pool's threads, which spin between calls, were
+what made ar and sd faster on the 2-core machines measured (docs/performance.md). Spinning threads of *separate*
+pools that keep spinning after their runs compete instead, which made per-session pools with spinning on alone much
+slower (docs/lab-notes/performance-log.md, the shared thread pool).
 
 The pool is the process's, and ONNX Runtime holds a process to it: it takes the pool's size once, and once the pool
 exists it refuses to open a session with threads of its own ("use_per_session_threads must be false when using a
