@@ -73,19 +73,19 @@ class OpenVINOTuning:
         return ""
 
 
-# How a session's own ONNX Runtime thread pool waits (ORT_POOL_POLICY names the default in the profile cache's key,
-# so that costs measured under another policy are measured again).
-#   spinning within a run (the default, SessionSettings.spin_in_run): the workers spin between the graph's parallel
-#       sections instead of sleeping. A decode step has hundreds of them (every MatMulNBits), and waking a sleeping
-#       worker for each cost 12-16 % of ar's and sd's speed on the 2-core machines measured. At the end of every run
-#       the spinning stops (session.force_spinning_stop), so a session that is not running takes no core from one
-#       that is: sd's draft and target, and the graphs of a target step, run one after another on pools of their
-#       own. Pools that kept spinning after their runs made ar 30 % slower (docs/lab-notes/performance-log.md).
-#   sleeping: for sessions that run at the same time on the same cores (Mirror-SD's draft beside its target), where
-#       a spinning worker of one takes the core the other needs (mirror measured 9 % slower spinning).
+# How a session's own ONNX Runtime thread pool waits (SessionSettings.spin_in_run):
+#   spinning within a run (what `mirrorsd generate` and `mirrorsd bench` open for every mode but mirror): the workers
+#       spin between the graph's parallel sections instead of sleeping. A decode step has hundreds of them (every
+#       MatMulNBits), and waking a sleeping worker for each cost 12-16 % of ar's, sd's and ngram's speed on the 2-core
+#       machines measured. At the end of every run the spinning stops (session.force_spinning_stop), so a session
+#       that is not running takes no core from one that is: sd's draft and target, and the graphs of a target step,
+#       run one after another on pools of their own. Pools that kept spinning after their runs made ar 30 % slower
+#       (docs/lab-notes/performance-log.md, "pools that spin within a run").
+#   sleeping (the default, and mode mirror's): for sessions that may run at the same time on the same cores
+#       (Mirror-SD's draft beside its target), where a spinning worker of one takes the core the other needs: mirror
+#       measured 9 % slower with the Qwen pair, and the tiny models' Mirror-SD tests 30 % slower, spinning.
 SPINNING_POOL = (("session.intra_op.allow_spinning", "1"), ("session.force_spinning_stop", "1"))
 SLEEPING_POOL = (("session.intra_op.allow_spinning", "0"),)
-ORT_POOL_POLICY = "spin within a run, stop at its end"
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class SessionSettings:
     kv_pairs: tuple[tuple[str, str], ...] = ()  # (past input, present output) names; a stateful graph needs them
     kernels: str = "ort"  # ONNX Runtime CPU: "mirrorsd" runs devices/kernels' MatMulNBits (devices/kernel_choice.py)
     shared_pool: bool = False  # ONNX Runtime: the process's one spinning pool (devices/thread_pool.py)
-    spin_in_run: bool = True  # ONNX Runtime, a pool of its own: SPINNING_POOL, else SLEEPING_POOL (see above)
+    spin_in_run: bool = False  # ONNX Runtime, a pool of its own: SPINNING_POOL, else SLEEPING_POOL (see above)
 
 
 class BackendSession(Protocol):

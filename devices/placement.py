@@ -46,7 +46,7 @@ log = logging.getLogger("mirrorsd.devices")
 
 KERNELS_MARK = "[mirrorsd kernels]"  # in describe(): the profile cache keys on it (runtime/planner/profile.py)
 SHARED_POOL_MARK = " [shared pool]"  # in describe(); the profile cache does not key on it (a split of its own)
-SLEEPING_POOL_MARK = " [sleeping pool]"  # in describe(): workers that sleep between sections (the cache keys on it)
+SPINNING_POOL_MARK = " [spin in run]"  # in describe(): a pool of its own that spins within a run (the cache keys on it)
 
 
 def auto_skips(label: str, report: DeviceReport) -> str:
@@ -88,10 +88,10 @@ class DeviceRequest:
     # that the cached profiles predict fastest (runtime/planner/placement.py, runtime/planner/threads.py)
     plan_from_profile: bool = False
     shared_pool: bool | None = None  # the process's one ONNX Runtime CPU pool; None: as devices/thread_pool.resolve
-    # ONNX Runtime CPU sessions with pools of their own: workers spin within a run and stop at its end (True), or
-    # sleep between parallel sections (False: for a pipeline that runs the draft beside the target, mode mirror;
-    # devices/backends.py SPINNING_POOL)
-    spin_in_run: bool = True
+    # ONNX Runtime CPU sessions with pools of their own: workers spin within a run and stop at its end (True: for a
+    # pipeline that runs one session at a time, what `mirrorsd generate` opens for ar, sd, ngram and auto), or sleep
+    # between parallel sections (False: safe when the draft runs beside the target, mode mirror; devices/backends.py)
+    spin_in_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -339,13 +339,13 @@ class Placement:
     kernels: str = "ort"  # whose MatMulNBits kernel runs it (ONNX Runtime CPU only)
     device: str = ""  # the device string it was placed on ("cpu", "openvino:CPU", ...): what reopens it there
     shared_pool: bool = False  # an ONNX Runtime session on the process's shared thread pool
-    sleeping_pool: bool = False  # an ONNX Runtime CPU session whose own pool's workers sleep between sections
+    spinning_pool: bool = False  # an ONNX Runtime CPU session whose own pool's workers spin within a run
 
     def describe(self) -> str:
         shapes = " [static shapes]" if self.static else ""
         kernels = f" {KERNELS_MARK}" if self.kernels == "mirrorsd" else ""
         kernels += SHARED_POOL_MARK if self.shared_pool else ""
-        kernels += SLEEPING_POOL_MARK if self.sleeping_pool else ""
+        kernels += SPINNING_POOL_MARK if self.spinning_pool else ""
         note = f" (fell back: {self.reason})" if self.fell_back else ""
         return f"{self.backend}:{self.effective}{shapes}{kernels}{note}"
 
@@ -372,10 +372,10 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
                           tuning.inexact(), "use the default DeviceRequest.target_openvino")
     on_ort_cpu = choice.backend == "onnxruntime" and choice.device == "cpu"
     shared = bool(request.shared_pool) and on_ort_cpu
-    sleeping = not request.spin_in_run and on_ort_cpu and not shared
+    spinning = spins(request, on_ort_cpu, shared)
     settings = SessionSettings(choice.device, threads, "f32", fixed_shapes=decision.static and
                                choice.backend == "openvino", openvino=tuning, kv_pairs=kv_pairs(kv), kernels=kernels,
-                               shared_pool=shared, spin_in_run=not sleeping)
+                               shared_pool=shared, spin_in_run=spinning)
     session = BACKENDS[choice.backend](path, settings)
     fell_back, reason = decision.fell_back, decision.reason
     lost = _lost_device(choice, session.effective)
@@ -386,7 +386,12 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
         fell_back, reason = True, "; ".join(r for r in (reason, lost) if r)
         warnings.warn(f"{model}: {lost}", DeviceFallbackWarning, stacklevel=2)
     return session, Placement(model, decision.requested, session.effective, choice.backend, fell_back, reason,
-                              decision.static, getattr(session, "kernels", "ort"), choice.label, shared, sleeping)
+                              decision.static, getattr(session, "kernels", "ort"), choice.label, shared, spinning)
+
+
+def spins(request: DeviceRequest, on_ort_cpu: bool, shared: bool) -> bool:
+    """Whether a session opened for ``request`` gets a pool of its own that spins within a run."""
+    return request.spin_in_run and on_ort_cpu and not shared
 
 
 def kv_pairs(kv) -> tuple[tuple[str, str], ...]:

@@ -1,8 +1,9 @@
-"""How ONNX Runtime's per-session pools wait (devices/backends.py SPINNING_POOL / SLEEPING_POOL): by default the
-workers spin within a run and stop at its end; a pipeline for mode mirror, whose draft runs beside the target, gets
-pools that sleep between sections. Checked on real sessions: the options each one was opened with, the placements
-and the profile cache key that say which, the CLI and the bench opening the right pipeline per mode, and tokens
-equal to ar either way. The speed it buys is measured by the bench (docs/performance.md), not here."""
+"""How ONNX Runtime's per-session pools wait (devices/backends.py SPINNING_POOL / SLEEPING_POOL): by default their
+workers sleep between parallel sections; `mirrorsd generate`, `mirrorsd devices` and `mirrorsd bench` open pools
+that spin within a run and stop at its end for every mode but mirror, whose draft runs beside the target. Checked on
+real sessions: the options each one is opened with, the placements and the profile cache key that say which, auto's
+placement predicted before opening, the CLI and the bench opening the right pipeline per mode, and tokens equal to
+ar either way. The speed it buys is measured by the bench (docs/performance.md), not here."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import json
 import pytest
 
 from mirrorsd.devices.backends import SLEEPING_POOL, SPINNING_POOL, OrtSession, SessionSettings
-from mirrorsd.devices.placement import SLEEPING_POOL_MARK, DeviceRequest
+from mirrorsd.devices.placement import SPINNING_POOL_MARK, DeviceRequest, plan_placement
 from mirrorsd.runtime import GenerationConfig, Pipeline
 from mirrorsd.runtime.config import MODES, spins_in_run
 
@@ -28,39 +29,46 @@ def entries(settings: SessionSettings) -> dict[str, str]:
     return found
 
 
-def test_pools_spin_within_a_run_and_stop_at_its_end_unless_asked_to_sleep():
-    assert entries(SessionSettings(threads=2)) == dict(SPINNING_POOL) == {SPIN: "1", STOP: "1"}
-    assert entries(SessionSettings(threads=2, spin_in_run=False)) == dict(SLEEPING_POOL) == {SPIN: "0"}
+def spinning(placement: dict[str, str]) -> set[bool]:
+    return {SPINNING_POOL_MARK in where for where in placement.values()}
+
+
+def test_pools_sleep_unless_asked_to_spin_within_a_run():
+    assert entries(SessionSettings(threads=2)) == dict(SLEEPING_POOL) == {SPIN: "0"}
+    assert entries(SessionSettings(threads=2, spin_in_run=True)) == dict(SPINNING_POOL) == {SPIN: "1", STOP: "1"}
 
 
 def test_only_the_modes_that_run_two_sessions_at_once_sleep():
     assert [m for m in (*MODES, "auto") if not spins_in_run(m)] == ["mirror"]
 
 
-def test_placements_and_the_profile_cache_say_which_pool(exported):
+def test_placements_profile_key_and_auto_prediction_say_which_pool(exported):
+    from mirrorsd.runtime.planner.loading import predicted_placement
     from mirrorsd.runtime.planner.profile import cache_path
 
     folder = exported("llama")
-    with Pipeline.load(folder) as spinning, Pipeline.load(folder, DeviceRequest(spin_in_run=False)) as sleeping:
-        assert not any(SLEEPING_POOL_MARK in where for where in spinning.placement.values())
-        assert all(where.endswith(SLEEPING_POOL_MARK) for where in sleeping.placement.values()), sleeping.placement
-        assert all(p.sleeping_pool for p in sleeping.placements.values())
-        assert cache_path(folder, spinning.placement) != cache_path(folder, sleeping.placement)
+    with Pipeline.load(folder) as sleeping, Pipeline.load(folder, DeviceRequest(spin_in_run=True)) as spinning_pipe:
+        assert spinning(sleeping.placement) == {False} and spinning(spinning_pipe.placement) == {True}
+        assert all(p.spinning_pool for p in spinning_pipe.placements.values())
+        assert cache_path(folder, sleeping.placement) != cache_path(folder, spinning_pipe.placement)
+        for pipe, spin in ((sleeping, False), (spinning_pipe, True)):  # what auto reads before opening = what opens
+            plan = plan_placement(pipe.manifest, DeviceRequest(spin_in_run=spin))
+            assert predicted_placement(folder, pipe.manifest, plan, False, spin) == pipe.placement
         prompt = [1, 17, 42, 99, 7, 250, 3]
-        want = spinning.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=12)).tokens
-        for mode in ("sd", "mirror"):
-            for pipe in (spinning, sleeping):
+        want = sleeping.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=12)).tokens
+        for mode in ("ar", "sd", "mirror"):
+            for pipe in (sleeping, spinning_pipe):
                 assert pipe.generate(prompt, GenerationConfig(mode=mode, max_new_tokens=12, gamma=3)).tokens == want
 
 
-@pytest.mark.parametrize("mode, sleeps", [("mirror", True), ("sd", False)])
-def test_generate_opens_sleeping_pools_for_mirror_only(exported, capsys, mode, sleeps):
+@pytest.mark.parametrize("mode, spins", [("mirror", False), ("sd", True), ("ar", True)])
+def test_generate_spins_for_every_mode_but_mirror(exported, capsys, mode, spins):
     from mirrorsd.apps.cli import main
 
     assert main(["generate", "--model", str(exported("llama")), "--mode", mode, "--max-new-tokens", "6",
                  "--prompt", "hello", "--json"]) == 0
     placement = json.loads(capsys.readouterr().out)["stats"]["placement"]
-    assert placement and all((SLEEPING_POOL_MARK in where) == sleeps for where in placement.values()), placement
+    assert placement and spinning(placement) == {spins}, placement
 
 
 def test_bench_runs_mirror_on_sleeping_pools_and_the_rest_spinning(exported, tmp_path):
@@ -71,7 +79,6 @@ def test_bench_runs_mirror_on_sleeping_pools_and_the_rest_spinning(exported, tmp
     result = run_bench(BenchOptions(model=exported("llama"), modes=("ar", "sd", "mirror", "mirror-noexit"),
                                     questions=questions, categories=("coding",), per_category=1, max_new_tokens=6,
                                     output=tmp_path / "out", warmup=False, bandwidth=False), progress=False)
-    sleeps = {run.mode: all(SLEEPING_POOL_MARK in where for where in run.stats["placement"].values())
-              for run in result.runs}
-    assert sleeps == {"ar": False, "sd": False, "mirror": True, "mirror-noexit": True}, result.runs[0].stats
+    spins = {run.mode: spinning(run.stats["placement"]) for run in result.runs}
+    assert spins == {"ar": {True}, "sd": {True}, "mirror": {False}, "mirror-noexit": {False}}, spins
     assert all(run.parity == "identical" for run in result.runs if run.mode != "ar")

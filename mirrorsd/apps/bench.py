@@ -195,8 +195,8 @@ def own_threads(options: BenchOptions) -> int:
 @contextlib.contextmanager
 def _concurrent_pipeline(options: BenchOptions, modes: list[str], devices):
     """The pipeline the modes that run the draft beside the target (mirror and its variants) run in: one whose ONNX
-    Runtime pools sleep between sections (DeviceRequest.spin_in_run, what `mirrorsd generate --mode mirror` opens);
-    None when no such mode is asked."""
+    Runtime pools sleep between sections (what `mirrorsd generate --mode mirror` opens; the other modes' pipeline
+    spins within a run, DeviceRequest.spin_in_run); None when no such mode is asked."""
     from dataclasses import replace
 
     from mirrorsd.runtime import Pipeline
@@ -246,7 +246,7 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
     from mirrorsd.runtime.config import spins_in_run
 
     devices = DeviceRequest(target_threads=options.target_threads, draft_threads=options.draft_threads,
-                            kernels=options.kernels, shared_pool=options.shared_pool)
+                            kernels=options.kernels, shared_pool=options.shared_pool, spin_in_run=True)
     outs: dict = {}
     prompt_ids: dict = {}
     shared = dict(max_new_tokens=options.max_new_tokens, gamma=options.gamma, branches=options.branches,
@@ -371,7 +371,7 @@ def _baseline_pass(options: BenchOptions, questions: list[Question], progress: b
     outs: dict = {}
     shared = False if options.shared_pool is False else None  # where it can: the process's pool may be another size
     with Pipeline.load(options.model, DeviceRequest(target_threads=n, draft_threads=n, kernels=options.kernels,
-                                                    shared_pool=shared)) as pipe:
+                                                    shared_pool=shared, spin_in_run=True)) as pipe:
         chat = has_chat_template(pipe)
         configs = {f"{mode}-{n}t": GenerationConfig(mode=mode, max_new_tokens=options.max_new_tokens,
                                                     gamma=options.gamma, chat=chat)

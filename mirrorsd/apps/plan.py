@@ -130,8 +130,9 @@ def devices_table(args, measure: bool) -> int:
     from mirrorsd.errors import GenerationInputError
 
     ranges.check(args, {"threads": ranges.threads()}, GenerationInputError)  # before a child builds a pool of them
+    # what `mirrorsd generate --mode auto` opens: pools that spin within a run (devices/backends.py)
     request = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
-                            kernels=args.kernels)
+                            kernels=args.kernels, spin_in_run=True)
     if measure:
         pairs = placement_candidates(load_manifest(args.model), request)
         for pair in pairs:

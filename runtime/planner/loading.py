@@ -117,7 +117,7 @@ def before_opening(folder: Path, manifest, devices) -> LoadChoice:
     opened = LoadChoice(devices, threads, chosen, None, plan)
     if not devices.plan_from_profile:
         return opened
-    placement = predicted_placement(folder, manifest, plan, shared)
+    placement = predicted_placement(folder, manifest, plan, shared, devices.spin_in_run)
     first_pool = thread_pool.shared_size() or (threads[0] if shared else None)  # what opening the pick would make
     if placement is None or (shared and threads[0] != threads[1] and thread_pool.shared_size() is None):
         return replace(opened, confirm=True)  # (unequal threads on a new pool: opening says what is wrong)
@@ -129,7 +129,8 @@ def before_opening(folder: Path, manifest, devices) -> LoadChoice:
     return LoadChoice(request, choice.threads.threads, choice.threads, choice)
 
 
-def predicted_placement(folder: Path, manifest, plan, shared: bool) -> dict[str, str] | None:
+def predicted_placement(folder: Path, manifest, plan, shared: bool, spin_in_run: bool = False
+                        ) -> dict[str, str] | None:
     """Graph role -> Placement.describe() that opening ``plan`` would report, or None when a graph goes to a device
     other than ONNX Runtime's CPU (what runs it there is read back from the open session) or a graph file cannot
     be read (opening it says what is wrong, as it would without a plan)."""
@@ -152,7 +153,8 @@ def predicted_placement(folder: Path, manifest, plan, shared: bool) -> dict[str,
             except (MirrorSDError, OSError):
                 return None
         found[role] = Placement(spec.model, decision.requested, CPU_PROVIDER, "onnxruntime", decision.fell_back,
-                                decision.reason, decision.static, kernels, decision.choice.label, shared).describe()
+                                decision.reason, decision.static, kernels, decision.choice.label, shared,
+                                spin_in_run and not shared).describe()
     return found
 
 

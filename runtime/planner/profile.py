@@ -211,8 +211,8 @@ def _say(line: str) -> None:
 def cache_path(folder: Path, placement: dict[str, str]) -> Path:
     """Where the measured profile of export ``folder`` on this device set is cached: one file per export (by its
     manifest's hash) and placement (what runs each graph, kernels included, and for mirrorsd's kernels which build
-    and path: a rebuilt kernel library is measured again; and how ONNX Runtime's own pools wait); every thread split
-    lives inside, the shared pool's included."""
+    and path: a rebuilt kernel library is measured again; and whether ONNX Runtime's own pools spin within a run);
+    every thread split lives inside, the shared pool's included."""
     from mirrorsd.devices.placement import KERNELS_MARK, SHARED_POOL_MARK
     from mirrorsd.names import MANIFEST_FILE
 
@@ -226,9 +226,6 @@ def cache_path(folder: Path, placement: dict[str, str]) -> Path:
 
         digest.update(str(kernels.build_id()).encode())
     digest.update(str(folder).encode())
-    from mirrorsd.devices.backends import ORT_POOL_POLICY
-
-    digest.update(ORT_POOL_POLICY.encode())  # how ONNX Runtime's pools wait moves every cost: measured again
     return cache_root() / f"{folder.name}-{digest.hexdigest()[:16]}.json"
 
 
