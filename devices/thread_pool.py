@@ -2,10 +2,10 @@
 ``--shared-pool``; mode auto takes it where its profile predicts it faster, runtime/planner/threads.py).
 
 With a pool per session, each ONNX Runtime session owns threads of its own. A pipeline holds four to six CPU
-sessions (prefix, exit head, suffix, draft, ...) and ar and sd run them one after another. Those pools spin within a
-run and stop at its end (devices/backends.py SPINNING_POOL; mode mirror's sleep), so they no longer wake sleeping
-threads for each parallel section; before that policy, the shared pool's threads, which spin between calls, were
-what made ar and sd faster on the 2-core machines measured (docs/performance.md). Spinning threads of *separate*
+sessions (prefix, exit head, suffix, draft, ...) and ar and sd run them one after another. The CLI opens those pools
+spinning within a run and stopping at its end for every mode but mirror (devices/backends.py SPINNING_POOL), so they
+do not wake sleeping threads for each parallel section; before that policy, the shared pool's threads, which spin
+between calls, were what made ar and sd faster on the 2-core machines measured (docs/performance.md). Spinning threads of *separate*
 pools that keep spinning after their runs compete instead, which made per-session pools with spinning on alone much
 slower (docs/lab-notes/performance-log.md, the shared thread pool).
 
