@@ -46,7 +46,9 @@ log = logging.getLogger("mirrorsd.devices")
 
 KERNELS_MARK = "[mirrorsd kernels]"  # in describe(): the profile cache keys on it (runtime/planner/profile.py)
 SHARED_POOL_MARK = " [shared pool]"  # in describe(); the profile cache does not key on it (a split of its own)
-SPINNING_POOL_MARK = " [spin in run]"  # in describe(): a pool of its own that spins within a run (the cache keys on it)
+# in describe(): workers that spin (a pool of its own within a run, or the shared pool); the profile cache keys on it,
+# so the shared pool's split and the spinning per-session splits share one file, and sleeping pools have their own
+SPINNING_POOL_MARK = " [spinning]"
 
 
 def auto_skips(label: str, report: DeviceReport) -> str:
@@ -339,7 +341,7 @@ class Placement:
     kernels: str = "ort"  # whose MatMulNBits kernel runs it (ONNX Runtime CPU only)
     device: str = ""  # the device string it was placed on ("cpu", "openvino:CPU", ...): what reopens it there
     shared_pool: bool = False  # an ONNX Runtime session on the process's shared thread pool
-    spinning_pool: bool = False  # an ONNX Runtime CPU session whose own pool's workers spin within a run
+    spinning_pool: bool = False  # an ONNX Runtime CPU session whose workers spin (its own pool within a run, or shared)
 
     def describe(self) -> str:
         shapes = " [static shapes]" if self.static else ""
@@ -375,7 +377,7 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
     spinning = spins(request, on_ort_cpu, shared)
     settings = SessionSettings(choice.device, threads, "f32", fixed_shapes=decision.static and
                                choice.backend == "openvino", openvino=tuning, kv_pairs=kv_pairs(kv), kernels=kernels,
-                               shared_pool=shared, spin_in_run=spinning)
+                               shared_pool=shared, spin_in_run=spinning and not shared)
     session = BACKENDS[choice.backend](path, settings)
     fell_back, reason = decision.fell_back, decision.reason
     lost = _lost_device(choice, session.effective)
@@ -390,8 +392,9 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
 
 
 def spins(request: DeviceRequest, on_ort_cpu: bool, shared: bool) -> bool:
-    """Whether a session opened for ``request`` gets a pool of its own that spins within a run."""
-    return request.spin_in_run and on_ort_cpu and not shared
+    """Whether a session opened for ``request`` runs on spinning workers: the shared pool's, or a pool of its own that
+    spins within a run."""
+    return on_ort_cpu and (shared or request.spin_in_run)
 
 
 def kv_pairs(kv) -> tuple[tuple[str, str], ...]:

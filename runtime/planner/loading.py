@@ -154,7 +154,7 @@ def predicted_placement(folder: Path, manifest, plan, shared: bool, spin_in_run:
                 return None
         found[role] = Placement(spec.model, decision.requested, CPU_PROVIDER, "onnxruntime", decision.fell_back,
                                 decision.reason, decision.static, kernels, decision.choice.label, shared,
-                                spin_in_run and not shared).describe()
+                                spin_in_run or shared).describe()
     return found
 
 
