@@ -92,8 +92,9 @@ class DeviceRequest:
     shared_pool: bool | None = None  # the process's one ONNX Runtime CPU pool; None: as devices/thread_pool.resolve
     # ONNX Runtime CPU sessions with pools of their own: workers spin within a run and stop at its end (True: for a
     # pipeline that runs one session at a time, what `mirrorsd generate` opens for ar, sd, ngram and auto), or sleep
-    # between parallel sections (False: safe when the draft runs beside the target, mode mirror; devices/backends.py)
-    spin_in_run: bool = False
+    # between parallel sections (False: safe when the draft runs beside the target, mode mirror; devices/backends.py).
+    # None: as plan_from_profile, so that a planned load finds the profiles `mirrorsd devices --profile` measured
+    spin_in_run: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -394,7 +395,7 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
 def spins(request: DeviceRequest, on_ort_cpu: bool, shared: bool) -> bool:
     """Whether a session opened for ``request`` runs on spinning workers: the shared pool's, or a pool of its own that
     spins within a run."""
-    return on_ort_cpu and (shared or request.spin_in_run)
+    return on_ort_cpu and (shared or bool(request.spin_in_run))
 
 
 def kv_pairs(kv) -> tuple[tuple[str, str], ...]:

@@ -42,6 +42,15 @@ def test_only_the_modes_that_run_two_sessions_at_once_sleep():
     assert [m for m in (*MODES, "auto") if not spins_in_run(m)] == ["mirror"]
 
 
+def test_a_load_planned_from_profiles_spins_like_the_cli(exported):
+    """`mirrorsd devices --profile` measures spinning pools, so a planned library load opens those (and finds them)."""
+    folder = exported("llama")
+    with Pipeline.load(folder, DeviceRequest(plan_from_profile=True)) as planned:
+        assert spinning(planned.placement) == {True}, planned.placement
+    with Pipeline.load(folder, DeviceRequest(plan_from_profile=True, spin_in_run=False)) as asked:
+        assert spinning(asked.placement) == {False}, asked.placement
+
+
 def test_placements_profile_key_and_auto_prediction_say_which_pool(exported):
     from mirrorsd.runtime.planner.loading import predicted_placement
     from mirrorsd.runtime.planner.profile import cache_path

@@ -59,6 +59,8 @@ def device_request(devices):
         raise DeviceError(f"devices must be a DeviceRequest or a device string, not {type(devices).__name__}",
                           "it says where each model runs", "pass DeviceRequest(target=..., draft=...), 'cpu', "
                                                            "or None (auto placement)")
+    if devices.spin_in_run is None:  # a load planned from the profiles runs on the pools `mirrorsd devices` measured
+        devices = replace(devices, spin_in_run=devices.plan_from_profile)
     return devices
 
 
@@ -117,7 +119,7 @@ def before_opening(folder: Path, manifest, devices) -> LoadChoice:
     opened = LoadChoice(devices, threads, chosen, None, plan)
     if not devices.plan_from_profile:
         return opened
-    placement = predicted_placement(folder, manifest, plan, shared, devices.spin_in_run)
+    placement = predicted_placement(folder, manifest, plan, shared, bool(devices.spin_in_run))
     first_pool = thread_pool.shared_size() or (threads[0] if shared else None)  # what opening the pick would make
     if placement is None or (shared and threads[0] != threads[1] and thread_pool.shared_size() is None):
         return replace(opened, confirm=True)  # (unequal threads on a new pool: opening says what is wrong)
