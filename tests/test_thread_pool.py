@@ -69,7 +69,9 @@ folder, threads = sys.argv[1], int(sys.argv[2])
 prompt = [1, 17, 42, 99, 7]
 config = lambda mode: GenerationConfig(mode=mode, max_new_tokens=24, chat=False)
 pooled = lambda pipe: [("shared pool" in p.describe()) for p in pipe.placements.values()]
-own = lambda: DeviceRequest(target_threads=threads, draft_threads=threads)
+# pools of their own that spin within a run: the placement whose profile file holds the shared split too (a planned
+# load opens those, as `mirrorsd devices --profile` measures them)
+own = lambda: DeviceRequest(target_threads=threads, draft_threads=threads, spin_in_run=True)
 plain = Pipeline.load(folder, own())  # stays open while auto opens the shared pool below
 reference = plain.generate(prompt, config("ar")).tokens
 assert not any(pooled(plain)) and not plain.shared_pool  # the default: pools of their own
