@@ -185,7 +185,8 @@ def cache_profile(folder, splits, alpha: float):
     from mirrorsd.runtime import Pipeline
     from mirrorsd.runtime.planner.latency import Acceptance
 
-    with Pipeline.load(folder, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
+    # spinning pools, as `mirrorsd devices` measures them and a planned load opens them
+    with Pipeline.load(folder, DeviceRequest(target_threads=1, draft_threads=1, spin_in_run=True)) as pipe:
         path = profiles.cache_path(pipe.folder, {r: p.describe() for r, p in pipe.placements.items()})
     profiles.save(profiles.Profile(kind="measured", machine="test", splits=tuple(splits), detail=({},) * len(splits),
                                    acceptance=Acceptance(alpha, alpha, alpha, "test")), path)
