@@ -5,9 +5,9 @@ With a pool per session, each ONNX Runtime session owns threads of its own. A pi
 sessions (prefix, exit head, suffix, draft, ...) and ar and sd run them one after another. The CLI opens those pools
 spinning within a run and stopping at its end for every mode but mirror (devices/backends.py SPINNING_POOL), so they
 do not wake sleeping threads for each parallel section; before that policy, the shared pool's threads, which spin
-between calls, were what made ar and sd faster on the 2-core machines measured (docs/performance.md). Spinning threads of *separate*
-pools that keep spinning after their runs compete instead, which made per-session pools with spinning on alone much
-slower (docs/lab-notes/performance-log.md, the shared thread pool).
+between calls, were what made ar and sd faster on the 2-core machines measured (docs/performance.md). Spinning
+threads of *separate* pools that keep spinning after their runs compete instead, which made per-session pools with
+spinning on alone much slower (docs/lab-notes/performance-log.md, the shared thread pool).
 
 The pool is the process's, and ONNX Runtime holds a process to it: it takes the pool's size once, and once the pool
 exists it refuses to open a session with threads of its own ("use_per_session_threads must be false when using a
