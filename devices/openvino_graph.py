@@ -3,7 +3,8 @@
 
 Three rewrites, each measured by scripts/lab/openvino_target.py (numbers in docs/lab-notes/performance-log.md):
 
-fused_attention     the attention subgraph (grouped, export/graphs/attention.py, or transformers' eager one)
+fused_attention     the attention subgraph (grouped, export/graphs/attention.py, in either of its two traced forms, or
+                    transformers' eager one)
                     -> one ScaledDotProductAttention op, which the plugin runs as its own attention kernel
 make_stateful       past_key_values.* / present.* pairs -> state variables; with fused attention the plugin keeps
                     the cache inside its attention node (no KV crosses the API per step)
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PASS_THROUGH = ("Convert", "Slice")  # f32 -> f32 casts, and the row/slot trims between the attention's ops
+PASS_THROUGH = ("Convert", "Slice", "Identity")  # f32 -> f32 casts, the row/slot trims between the attention's ops
+# (Identity where export/shape_constants.py found a trim that keeps the whole axis)
 BEAM_INPUT = "beam_idx"  # [B] int32, fed 0..B-1: the plugin's stateful attention fusion requires a beam reorder
 
 
@@ -54,16 +56,20 @@ class Attention:
     query: object  # [B, H, S, D]
     key: object  # [B, h, T, D] (grouped: the cache itself) or [B, H, T, D] (eager: already repeated to H heads)
     value: object
-    mask: object  # additive, [B, 1, S, T] or [B, 1, 1, S, T] (grouped)
+    mask: object  # additive, [B, 1, S, T] ([B, 1, 1, S, T] where ``five_d_mask``)
     scale: float
     out: object  # the output that the fused op replaces, [B, H, S, D]
     grouped: bool
+    five_d_mask: bool = False  # grouped, as traced before the mask was tiled: [B, 1, 1, S, T]
 
 
 def find_attention(softmax) -> Attention | None:
     """The attention around ``softmax``, or None when it is neither pattern:
 
-        grouped: q -Reshape-> [B, h, G*S, D] -MatMul(k^T)-> -Reshape-> [B, h, G, S, T] -Mul(scale)-Add(mask)->
+        grouped: q -Reshape-> [B, h, G*S, D] -MatMul(k^T)-> -Mul(scale)-Add(Tile(mask [B, 1, S, T]))->
+                 Softmax -MatMul(v [B, h, T, D])-> -Reshape-> out [B, H, S, D]
+        grouped, exports before the tiled mask:
+                 q -Reshape-> [B, h, G*S, D] -MatMul(k^T)-> -Reshape-> [B, h, G, S, T] -Mul(scale)-Add(mask)->
                  Softmax -Reshape-> [B, h, G*S, T] -MatMul(v [B, h, T, D])-> -Reshape-> out [B, H, S, D]
         eager:   q -MatMul(k_rep^T)-Mul(scale)-Add(mask)-> Softmax -MatMul(v_rep)-> out [B, H, S, D]
     """
@@ -77,6 +83,14 @@ def find_attention(softmax) -> Attention | None:
     k_t = scores and _producer(scores.input_value(1), "Transpose")
     if k_t is None:
         return None
+    tile = _producer(add.input_value(1), "Tile")
+    if split is None and tile is not None:  # grouped, tiled mask
+        q_rows = _producer(scores.input_value(0), "Reshape")
+        context = _consumer(softmax, "MatMul")
+        heads = context and _consumer(context, "Reshape")
+        return heads and q_rows and Attention(q_rows.input_value(0), k_t.input_value(0), context.input_value(1),
+                                              tile.input_value(0), float(np.asarray(scale.get_data()).ravel()[0]),
+                                              heads.output(0), grouped=True)
     if split is None:  # eager
         context = _consumer(softmax, "MatMul")
         return context and Attention(scores.input_value(0), k_t.input_value(0), context.input_value(1),
@@ -88,7 +102,7 @@ def find_attention(softmax) -> Attention | None:
     heads = context and _consumer(context, "Reshape")
     return heads and q_rows and Attention(q_rows.input_value(0), k_t.input_value(0), context.input_value(1),
                                           add.input_value(1), float(np.asarray(scale.get_data()).ravel()[0]),
-                                          heads.output(0), grouped=True)
+                                          heads.output(0), grouped=True, five_d_mask=True)
 
 
 def fused_attention(model) -> int:
@@ -109,6 +123,7 @@ def fused_attention(model) -> int:
         key, value, mask = attention.key, attention.value, attention.mask
         if attention.grouped:
             key, value = (_repeat_heads(kv, groups[node.get_friendly_name()]) for kv in (key, value))
+        if attention.five_d_mask:
             mask = ops.squeeze(mask, ops.constant(np.array([2], np.int64)))  # [B, 1, 1, S, T] -> [B, 1, S, T]
         scale = ops.constant(np.array(attention.scale, np.float32))
         fused = ops.scaled_dot_product_attention(attention.query, key, value, mask, scale, causal=False)

@@ -158,12 +158,36 @@ def _trace(kind: str, dtype: torch.dtype, make, args, input_names, output_names,
     model = onnx.load_from_string(buffer.getvalue())
     graph = model.graph
     uses = _find_weights(kind, graph, module)
+    _fold_shapes(kind, model)
     weights = {u.initializer for u in uses}
     kept = [t for t in graph.initializer if t.name not in weights]
     graph.ClearField("initializer")
     graph.initializer.extend(kept)
     graph.ClearField("value_info")  # shapes of the stand-in (small vocabulary); ONNX Runtime infers its own
     return Piece(kind, graph, tuple(model.opset_import), model.ir_version, tuple(uses), dtype)
+
+
+def _fold_shapes(kind: str, model) -> None:
+    """Shape arithmetic -> constants where they hold at every size (shape_constants.py); the piece keeps its weights
+    for the probes, and stays as traced where the folded piece is not bitwise equal."""
+    from mirrorsd.export import shape_constants
+
+    def feeds(dims: tuple) -> dict:
+        batch, seq, past = dims
+
+        def integers(name: str, shape: tuple) -> np.ndarray:
+            if name == "attention_mask":
+                return np.ones(shape, np.int64)
+            if name == "position_ids":  # [batch, seq]: the positions after the cache
+                return np.broadcast_to(past + np.arange(seq), shape).copy()
+            return np.arange(int(np.prod(shape))).reshape(shape) % MIN_VOCAB  # token ids
+
+        sizes = {"batch": batch, "seq": seq, "past": past, "total": past + seq}
+        return shape_constants.random_feeds(model.graph, sizes, integers)
+
+    report = shape_constants.fold(model, feeds, shape_constants.run_with_onnxruntime)
+    if report.kept_because:
+        warnings.warn(f"{kind} piece: shape arithmetic kept as traced ({report.kept_because})", stacklevel=2)
 
 
 def _find_weights(kind: str, graph, module: nn.Module) -> list[WeightUse]:

@@ -3,8 +3,12 @@
     query [B, H, S, D] -> [B, KVH, G*S, D]          (G = H / KVH query heads share one KV head; rows (g, s))
     key   [B, KVH, T, D]                             (T = past + S cache slots; no repeat_kv copy of the cache)
     scores  = query @ key^T      [B, KVH, G*S, T]    one GEMM per KV head
-    weights = softmax(scores * scale + mask)          mask [B, 1, S, T] additive, broadcast over the G heads
+    weights = softmax(scores * scale + mask)          mask [B, 1, S, T] additive, tiled G times along the rows
     output  = weights @ value    [B, KVH, G*S, D] -> [B, S, H, D]
+
+The scores stay 4-d: the mask is tiled to [B, 1, G*S, T] (Tile by a constant) rather than the scores reshaped to
+[B, KVH, G, S, T], whose target shape holds two sizes that change per call (S and T) and so would be recomputed
+from shapes on every forward (export/shape_constants.py folds the rest of a layer's shape arithmetic).
 
 Why not transformers' eager attention: batch invariance (docs/algorithm.md, Batch invariance). A verification window runs
 gamma + 1 query rows where target-only decoding runs one. Eager attention then multiplies [H, 1, D] x [H, D, T]
@@ -35,12 +39,13 @@ def grouped_attention(module, query, key, value, attention_mask, scaling, dropou
     rows = query.reshape(batch, kv_heads, groups * seq, dim)  # [B, KVH, G*S, D]; head h = kvh * G + g
     if groups == 1:  # keep M >= 2 so that MLAS never takes its one-row kernel (see the module docstring)
         rows = torch.cat([rows, torch.zeros_like(rows[:, :, :1])], dim=2)  # [B, KVH, S + 1, D]
-    scores = torch.matmul(rows, key.transpose(2, 3))[:, :, : groups * seq]  # [B, KVH, G*S, T]
-    scores = scores.reshape(batch, kv_heads, groups, seq, -1) * scaling  # [B, KVH, G, S, T]
+    scores = torch.matmul(rows, key.transpose(2, 3))[:, :, : groups * seq] * scaling  # [B, KVH, G*S, T]
     if attention_mask is not None:
-        scores = scores + attention_mask[:, :, None, :, : key.shape[-2]]  # [B, 1, 1, S, T]
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = weights.reshape(batch, kv_heads, groups * seq, -1)  # [B, KVH, G*S, T]
+        mask = attention_mask[:, :, :, : key.shape[-2]]  # [B, 1, S, T]
+        if groups > 1:  # row g*S + s gets mask row s
+            mask = mask.repeat(1, 1, groups, 1)  # [B, 1, G*S, T]
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # [B, KVH, G*S, T]
     if groups == 1:
         weights = torch.cat([weights, torch.zeros_like(weights[:, :, :1])], dim=2)
     output = torch.matmul(weights, value)[:, :, : groups * seq]  # [B, KVH, G*S, D]
