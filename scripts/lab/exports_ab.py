@@ -1,6 +1,7 @@
 """Decode speed of several exports side by side: one process, the exports (and modes) alternated prompt by prompt on
 the held-out SpecBench prompts, so drift in machine speed hits every export alike. Prints each one's mean decode
-tokens/s and whether its tokens equal its own ar's.
+tokens/s and whether its tokens equal its own ar's. ONNX Runtime pools spin within a run as `mirrorsd generate`'s do
+(runtime/config.spins_in_run), unless a mode in MODES is one that runs two sessions at once (mirror).
 
     python scripts/lab/exports_ab.py EXPORT1,EXPORT2,... [MODES (default ar)] [TOKENS (default 128)]
 """
@@ -10,12 +11,15 @@ import statistics
 import sys
 
 from mirrorsd import specbench
+from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import GenerationConfig, Pipeline
+from mirrorsd.runtime.config import spins_in_run
 
 
 def main(folders: list[str], modes: list[str], tokens: int) -> None:
     questions = specbench.first_per_category(specbench.read(None), (), 1)
-    pipes = {f: Pipeline.load(f) for f in folders}
+    request = DeviceRequest(spin_in_run=all(spins_in_run(m) for m in modes))
+    pipes = {f: Pipeline.load(f, request) for f in folders}
     for pipe in pipes.values():  # warm-up
         for mode in modes:
             pipe.generate("Say hello.", GenerationConfig(mode=mode, max_new_tokens=8))
