@@ -188,12 +188,13 @@ def _drop_unused_initializers(graph) -> None:
     graph.initializer.extend(kept)
 
 
-def fold(model, feeds_for: Callable[[tuple], dict], run_model: Callable, probes=PROBES) -> FoldReport:
+def fold(model, feeds_for: Callable[[tuple], dict], open_model: Callable, probes=PROBES) -> FoldReport:
     """Fold ``model``'s shape arithmetic (an onnx.ModelProto, edited in place) where every probe agrees.
 
-    ``feeds_for(dims)`` gives the inputs of one probe; ``run_model(model_bytes, feeds, names)`` returns the values of
-    ``names`` (graph outputs or any intermediate tensor). A piece whose rewrite is not bitwise equal at every probe,
-    or which fails at a probe as traced, is left as it was (``report.kept_because`` says why)."""
+    ``feeds_for(dims)`` gives the inputs of one probe; ``open_model(model_bytes)`` returns ``run(feeds, names)``, which
+    returns the values of ``names`` (graph outputs or any intermediate tensor); each model is opened once. A piece
+    whose rewrite is not bitwise equal at every probe, or which fails at a probe as traced, is left as it was
+    (``report.kept_because`` says why)."""
     import onnx
 
     graph = model.graph
@@ -204,8 +205,8 @@ def fold(model, feeds_for: Callable[[tuple], dict], run_model: Callable, probes=
     outputs = [o.name for o in graph.output]
     watched = [n for n in plan.watched if n not in outputs]
     try:
-        before = [dict(zip(outputs + watched, run_model(_with_outputs(model, watched), feeds_for(d), outputs + watched)))
-                  for d in probes]
+        run = open_model(_with_outputs(model, watched))
+        before = [dict(zip(outputs + watched, run(feeds_for(d), outputs + watched))) for d in probes]
     except Exception as exc:  # ONNX Runtime's own error types; the traced piece itself fails at some size
         report.kept_because = f"the traced piece fails at a probe size: {str(exc).splitlines()[0][:200]}"
         return report
@@ -214,8 +215,9 @@ def fold(model, feeds_for: Callable[[tuple], dict], run_model: Callable, probes=
     rewrite(folded.graph, plan, before, report)
     _drop_unused_initializers(folded.graph)
     try:
+        run = open_model(folded.SerializeToString())
         for dims, want in zip(probes, before):
-            got = run_model(folded.SerializeToString(), feeds_for(dims), outputs)
+            got = run(feeds_for(dims), outputs)
             for name, value in zip(outputs, got):
                 if not _same(value, want[name]):
                     raise ValueError(f"output {name} differs at probe {dims}")
@@ -238,8 +240,9 @@ def _with_outputs(model, names: list[str]) -> bytes:
     return probe.SerializeToString()
 
 
-def run_with_onnxruntime(model_bytes: bytes, feeds: dict, names: list[str]) -> list:
-    """One CPU session at the runtime's optimization level (so that its fusions see the folded shapes too)."""
+def onnxruntime_runner(model_bytes: bytes) -> Callable[[dict, list], list]:
+    """``run(feeds, names)`` on one CPU session at the runtime's optimization level (so that its fusions see the
+    folded shapes too)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -247,7 +250,7 @@ def run_with_onnxruntime(model_bytes: bytes, feeds: dict, names: list[str]) -> l
     opts.intra_op_num_threads = 1
     opts.log_severity_level = 3
     session = ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
-    return session.run(names, feeds)
+    return lambda feeds, names: session.run(names, feeds)
 
 
 ELEMENT_TYPES = {1: np.float32, 10: np.float16, 7: np.int64, 6: np.int32, 9: np.bool_}
