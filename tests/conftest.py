@@ -13,6 +13,21 @@ from tiny_models import build_model  # noqa: E402
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def profiles_stay_in_tmp(tmp_path_factory):
+    """Profiles measured on the tests' exports go to a session folder, never to the user's ~/.cache/mirrorsd/profiles
+    (a test that points $MIRRORSD_PROFILES elsewhere with monkeypatch still wins; subprocesses inherit it)."""
+    import os
+
+    key = "MIRRORSD_PROFILES"
+    before = os.environ.get(key)
+    if before is None:
+        os.environ[key] = str(tmp_path_factory.mktemp("profiles"))
+    yield
+    if before is None:
+        os.environ.pop(key, None)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """tiny_model(model_type, layers=4, seed=0) -> Hugging Face folder (cached per arguments)."""
