@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# (batch, seq, past): one-row decoding, prefill with and without a cache, verification windows, odd sizes.
-PROBES = ((1, 1, 0), (1, 1, 5), (2, 3, 2), (3, 5, 7), (1, 4, 0), (4, 2, 11))
+# (batch, seq, past): one-row decoding, prefill with and without a cache, verification windows, odd sizes, and one
+# longer cache (a value that only changes past some size would be taken for a constant if no probe reached it).
+PROBES = ((1, 1, 0), (1, 1, 5), (2, 3, 2), (3, 5, 7), (1, 4, 0), (4, 2, 11), (1, 2, 300))
 BYPASSED = ("Slice", "Expand")  # ops that are the identity where their output keeps their input's shape
 SHAPE_SOURCES = ("Shape", "Size")
 
