@@ -95,10 +95,10 @@ def test_a_fold_that_changes_an_output_is_not_kept():
     original = model.SerializeToString()
     opened = []
 
-    def open_and_spoil(model_bytes):  # the second model opened (the folded one) reports other values
+    def open_and_spoil(model_bytes):  # opened in turn: the traced piece with extra outputs, as it is, then folded
         run = shape_constants.onnxruntime_runner(model_bytes)
         opened.append(model_bytes)
-        spoil = len(opened) > 1
+        spoil = len(opened) == 3  # the folded one reports other values
         return lambda feeds, names: [v + 1 if spoil and k == 0 else v for k, v in enumerate(run(feeds, names))]
 
     report = fold(model, _feeds(model), open_and_spoil)
@@ -116,6 +116,28 @@ def test_a_piece_that_fails_at_a_probe_is_kept_as_traced():
     report = fold(model, _feeds(model), lambda model_bytes: fail)
     assert "fails at a probe" in report.kept_because
     assert model.SerializeToString() == original
+
+
+def test_float16_layer_piece_folds(tmp_path):
+    """The reference is the piece as traced, without the extra outputs that the probes read: in float16 those
+    change the piece's bits, and a fold checked against them was refused."""
+    pytest.importorskip("torch")
+    import torch
+    from transformers import AutoConfig
+
+    from mirrorsd.export.architectures import architecture_for
+    from mirrorsd.export.templates import trace_pieces
+    from tests.tiny_models import build_model
+
+    folder = build_model(tmp_path / "m", "llama", layers=1)
+    config = AutoConfig.from_pretrained(folder)
+    reports = []
+    real = shape_constants.fold
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shape_constants, "fold", lambda *a, **k: reports.append(real(*a, **k)) or reports[-1])
+        trace_pieces(config, architecture_for(config.model_type), {"layer"}, 4, torch.float16)
+    assert len(reports) == 1 and not reports[0].kept_because
+    assert reports[0].nodes_after < reports[0].nodes_before
 
 
 def test_decoder_layer_piece_loses_most_shape_nodes(tmp_path):
