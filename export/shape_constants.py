@@ -20,7 +20,7 @@ dim is taken for a constant by coincidence. Export-time validation against PyTor
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,7 +41,6 @@ class FoldReport:
     identities: int = 0  # Slice/Expand that keep their input's shape
     constants: int = 0  # other shape-derived inputs made constant
     kept_because: str = ""  # why the piece was kept as traced (empty when rewritten)
-    notes: list = field(default_factory=list)
 
 
 def shape_derived(graph) -> set[str]:
@@ -57,14 +56,6 @@ def shape_derived(graph) -> set[str]:
                 all(i in derived or i in constant or not i for i in node.input):
             derived.update(node.output)
     return derived
-
-
-def _consumers(graph) -> dict[str, list]:
-    readers: dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    return readers
 
 
 @dataclass(frozen=True)
@@ -122,7 +113,7 @@ def _reshaped(shape: tuple, target: np.ndarray) -> tuple | None:
 
 def rewrite(graph, plan: Plan, probes: list[dict[str, np.ndarray]], report: FoldReport) -> None:
     """Apply the decisions that every probe (tensor name -> value) agrees on; edits ``graph`` in place."""
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     nodes = [_copy(n) for n in graph.node]
     replaced: set[int] = set()
@@ -137,15 +128,14 @@ def rewrite(graph, plan: Plan, probes: list[dict[str, np.ndarray]], report: Fold
             target = _reshape_constant(io_shapes)
             if target is None:
                 continue
-            node.input[i] = _add_constant(graph, f"{node.name or node.output[0]}/shape_const", target, numpy_helper)
+            node.input[i] = _add_constant(graph, f"{node.name or node.output[0]}/shape_const", target)
             report.reshapes += 1
         elif node.op_type in BYPASSED and i > 0 and all(x == out for x, out in io_shapes):
             nodes[k] = helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name)
             replaced.add(k)
             report.identities += 1
         elif all(_same(v, values[0]) for v in values):
-            node.input[i] = _add_constant(graph, f"{node.name or node.output[0]}/input{i}_const", values[0],
-                                          numpy_helper)
+            node.input[i] = _add_constant(graph, f"{node.name or node.output[0]}/input{i}_const", values[0])
             report.constants += 1
     del graph.node[:]
     graph.node.extend(_live(nodes, {o.name for o in graph.output}))
@@ -166,7 +156,9 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(a, b))
 
 
-def _add_constant(graph, name: str, value: np.ndarray, numpy_helper) -> str:
+def _add_constant(graph, name: str, value: np.ndarray) -> str:
+    from onnx import numpy_helper
+
     graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
     return name
 
@@ -206,12 +198,13 @@ def fold(model, feeds_for: Callable[[tuple], dict], open_model: Callable, probes
     outputs = [o.name for o in graph.output]
     watched = [n for n in plan.watched if n not in outputs]
     try:
+        feeds = [feeds_for(d) for d in probes]
         run = open_model(_with_outputs(model, watched))
-        before = [dict(zip(outputs + watched, run(feeds_for(d), outputs + watched))) for d in probes]
+        before = [dict(zip(outputs + watched, run(f, outputs + watched))) for f in feeds]
         # the reference outputs come from the piece as it is: extra graph outputs can change its arithmetic (a
         # float16 layer piece with them computed other bits than without, at every optimization level)
         run = open_model(model.SerializeToString())
-        want = [dict(zip(outputs, run(feeds_for(d), outputs))) for d in probes]
+        want = [dict(zip(outputs, run(f, outputs))) for f in feeds]
     except Exception as exc:  # ONNX Runtime's own error types; the traced piece itself fails at some size
         report.kept_because = f"the traced piece fails at a probe size: {str(exc).splitlines()[0][:200]}"
         return report
@@ -221,8 +214,8 @@ def fold(model, feeds_for: Callable[[tuple], dict], open_model: Callable, probes
     _drop_unused_initializers(folded.graph)
     try:
         run = open_model(folded.SerializeToString())
-        for dims, expected in zip(probes, want):
-            got = run(feeds_for(dims), outputs)
+        for dims, f, expected in zip(probes, feeds, want):
+            got = run(f, outputs)
             for name, value in zip(outputs, got):
                 if not _same(value, expected[name]):
                     raise ValueError(f"output {name} differs at probe {dims}")
