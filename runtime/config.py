@@ -87,6 +87,9 @@ class GenerationConfig(MirrorSettings):
     ngram: bool | None = None  # sd, mirror: fresh draft windows check a prompt-lookup guess as lookahead (same
     #                      windows, fewer forwards). None: the mode's default, off for sd and mirror, on for the sd and
     #                      mirror that auto runs (it measured 2-4 % faster in both benches of docs/bench)
+    draft_confidence: float = 0.0  # sd: a draft window ends after its first token the draft gives a probability
+    #                                below this (its top-1 softmax), at most gamma tokens; 0 = always gamma tokens.
+    #                                Mode mirror ignores it (its windows are rolled out in the target's shadow)
     ngram_min: int = 2  # ngram, sd --ngram: the shortest earlier n-gram a lookup matches ...
     ngram_max: int = 4  # ... and the longest, tried first
 
@@ -104,6 +107,11 @@ class GenerationConfig(MirrorSettings):
         _check_choice(self, "verify", tuple(RULES))
         for name in ("ngram_min", "ngram_max"):
             _check_count(self, name)
+        c = self.draft_confidence
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 1.0:  # NaN fails too
+            raise GenerationInputError(f"draft_confidence must be a probability in [0, 1), got {c!r}",
+                                       "a draft window ends after a token the draft gives less than it",
+                                       "pass 0 (off, the default) or a value such as 0.4")
         if not self.ngram_min <= self.ngram_max <= NGRAM_MAX:
             raise GenerationInputError(f"ngram_min {self.ngram_min} and ngram_max {self.ngram_max} are out of order "
                                        f"or too long", "a lookup tries suffixes from ngram_max down to ngram_min",

@@ -224,7 +224,8 @@ class Pipeline:
         streaming = self.streaming_draft if config.streaming else None
         draft, lookahead = (streaming, True) if streaming else (self.draft, False)  # the streams are lookahead
         if config.mode == "sd":
-            return SerialDraft(draft, lookahead, NgramIndex(lookup) if config.ngram else None)
+            return SerialDraft(draft, lookahead, NgramIndex(lookup) if config.ngram else None,
+                               config.draft_confidence or None)
         settings, guesses = config.mirror, lookup if config.ngram else None
         if self._mirror is None or (self._mirror.settings, self._mirror.lookup) != (settings, guesses) or \
                 self._mirror.draft is not draft:

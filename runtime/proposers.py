@@ -61,13 +61,25 @@ class SerialDraft(TargetOnly):
     """Vanilla speculative decoding: after each verdict the draft rolls out the next window, then the target.
     ``lookahead``: the draft is a streaming one (runtime/streaming.py); the same windows in fewer forwards.
     ``lookup``: a prompt-lookup index (runtime/ngram.py) whose continuation the draft checks as lookahead in its
-    first forward: again the same windows, in fewer forwards where the text repeats."""
+    first forward: again the same windows, in fewer forwards where the text repeats.
+    ``confidence``: a window ends after its first pick below this draft probability (rollout.py); None = gamma
+    picks always, 0 = gamma picks, their probabilities recorded (Window.confidence).
+    ``record_stops(replay)``: every window and its verdict go to a planner/stops.StopReplay as well (mode auto,
+    the calibration): what other stops would have done on the same steps."""
 
     mode = "sd"
 
-    def __init__(self, draft: DraftModel, lookahead: bool = False, lookup=None) -> None:
-        self.draft, self.lookahead, self.lookup = draft, lookahead, lookup
+    def __init__(self, draft: DraftModel, lookahead: bool = False, lookup=None, confidence: float | None = None
+                 ) -> None:
+        self.draft, self.lookahead, self.lookup, self.confidence = draft, lookahead, lookup, confidence
         self.sampler = GREEDY
+        self.stops = None  # a StopReplay that records every window (record_stops)
+        self._window: tuple[Window, int] | None = None  # the last window and the gamma it was asked for
+
+    def record_stops(self, replay) -> None:
+        self.stops = replay
+        if self.confidence is None:
+            self.confidence = 0.0  # record the picks' probabilities, stop nowhere
 
     def reset(self, prompt: list[int], sampler: Sampler = GREEDY) -> None:
         held = self.draft.cache_tokens
@@ -83,7 +95,16 @@ class SerialDraft(TargetOnly):
             self.lookup.sync(committed)
             guess = self.lookup.lookup(gamma - 1)  # the last window token is picked, never fed
         try:
-            return fresh(self.draft, committed, gamma, self.sampler, lookahead=self.lookahead, guess=guess)
+            window = fresh(self.draft, committed, gamma, self.sampler, lookahead=self.lookahead, guess=guess,
+                           confidence=self.confidence)
         except Exception as exc:  # as in mirror: a draft failure is a DraftWorkerError, which on_draft_failure handles
             raise DraftWorkerError("The draft model failed", f"{type(exc).__name__}: {exc}",
                                    "see the chained exception; the target itself is unaffected") from exc
+        self._window = (window, gamma)
+        return window
+
+    def observe(self, verdict: Verdict, new_tokens: list[int], next_gamma: int) -> None:
+        if self.stops is not None and self._window is not None and self._window[0].confidence is not None:
+            window, gamma = self._window
+            self.stops.record(window.confidence, verdict.accepted, gamma, self.confidence or 0.0)
+        self._window = None

@@ -15,6 +15,10 @@ It advances N rows of the draft together on one cache, g tokens each:
                    or the branch token v) or its last pick, then its lookahead; shorter rows are padded with
                    masked slots. logits [N, width, vocab] -> each row's picks at its own columns
     cost           g forwards; with lookahead 1 + ceil((g - 1) / (n + 1)) when every lookahead holds, g at worst
+    confidence     (fresh windows only) a window ends early, after its first pick whose softmax probability under
+                   the draft is below a threshold: the draft stops where it is unsure, so a window on text it
+                   cannot predict costs one forward and a short verification instead of g forwards. The rule reads
+                   the draft's logits only, so the target still verifies every token and the output is unchanged
 
 Every window token is its row's own pick at its position, drawn with the keyed draws of sampling.py (greedy:
 the argmax): a branch's window is therefore exactly the one a fresh rollout after the verdict would draw (up to
@@ -34,7 +38,7 @@ import numpy as np
 from mirrorsd.runtime.kv_cache import KVCache
 from mirrorsd.runtime.models import DraftModel
 from mirrorsd.runtime.sampling import GREEDY, Sampler
-from mirrorsd.runtime.verify import Branch, greedy_tokens, top_k_logprobs
+from mirrorsd.runtime.verify import Branch, greedy_tokens, top1_probability, top_k_logprobs
 
 Between = Callable[[], bool]  # called after every forward; True abandons the rollout (the verdict wants another)
 
@@ -61,6 +65,8 @@ class Window:
     reused: bool = False  # a branch rolled out before the verdict (Mirror-SD)
     kv: RowSlots | None = None  # branch rows: their KV, for adoption
     target_only: bool = False  # a step the strategy decodes without a draft (mode auto running ar): no window
+    confidence: np.ndarray | None = None  # [g] the draft's top-1 probability at each pick (fresh windows that
+    #                                       were asked for it), else None
 
     @classmethod
     def empty(cls, target_only: bool = False) -> "Window":
@@ -72,7 +78,8 @@ class Window:
         """The first ``g`` tokens (a shorter window near the token budget)."""
         kv = None if self.kv is None else replace(self.kv, slots=self.kv.slots[:g])
         return replace(self, tokens=self.tokens[:g], top_ids=self.top_ids[:g], top_logprobs=self.top_logprobs[:g],
-                       probs=None if self.probs is None else self.probs[:g], kv=kv)
+                       probs=None if self.probs is None else self.probs[:g], kv=kv,
+                       confidence=None if self.confidence is None else self.confidence[:g])
 
 
 @dataclass
@@ -87,14 +94,17 @@ class _Row:
     top: list[tuple] = field(default_factory=list)  # (top ids [k], top log-probs [k]) when top_k > 0
     probs: list[np.ndarray] = field(default_factory=list)  # q [vocab] when the sampler's drafts sample
     slots: list[int] = field(default_factory=list)  # the cache slot of the fed token before each pick
+    confidence: list[float] = field(default_factory=list)  # the draft's top-1 probability at each pick (when read)
+    stopped: bool = False  # its last pick fell below the confidence threshold: the window ends there
 
 
 def fresh(draft: DraftModel, committed: list[int], gamma: int, sampler: Sampler = GREEDY, top_k: int = 0,
-          lookahead: bool = False, guess: list[int] | None = None) -> Window:
+          lookahead: bool = False, guess: list[int] | None = None, confidence: float | None = None) -> Window:
     """Roll the draft's main cache back to ``committed``, then draft ``gamma`` tokens after it. The cache ends
     holding committed + window[:-1] (the last token is not fed). ``guess``: tokens expected to follow ``committed``
     (prompt lookup, ngram.py), fed as the first forward's lookahead: the window is the same, the forwards fewer
-    where the draft's picks confirm the guess."""
+    where the draft's picks confirm the guess. ``confidence``: None = plain; else each pick's top-1 probability
+    is recorded (Window.confidence), and a pick below ``confidence`` (> 0) ends the window after it."""
     pending = draft.sync_to(committed)
     if not pending:  # everything is cached: feed the last committed token again for its logits
         draft.truncate(len(committed) - 1)
@@ -102,7 +112,7 @@ def fresh(draft: DraftModel, committed: list[int], gamma: int, sampler: Sampler 
     start = draft.cache.length
     row = _Row(list(pending), start, list(committed) if sampler.needs_context else None, list(guess or []))
     mask = np.ones((1, start), np.int64)  # [1, length]
-    window, = _advance(draft, draft.cache, mask, [row], gamma, sampler, top_k, lookahead, True, None)
+    window, = _advance(draft, draft.cache, mask, [row], gamma, sampler, top_k, lookahead, True, None, confidence)
     draft.holds(start, [*pending, *window.tokens[:-1].tolist()])
     return window
 
@@ -135,9 +145,11 @@ def adopt(draft: DraftModel, window: Window, committed: list[int]) -> None:
 
 
 def _advance(draft: DraftModel, cache: KVCache, mask: np.ndarray, rows: list[_Row], gamma: int, sampler: Sampler,
-             top_k: int, lookahead: bool, compact: bool, between: Between | None) -> list[Window] | None:
-    """Advance ``rows`` on ``cache`` (``mask`` [rows, cache.length]) until each has ``gamma`` picks.
-    ``compact``: one row on the main cache, whose rejected lookahead slots are truncated instead of masked."""
+             top_k: int, lookahead: bool, compact: bool, between: Between | None, confidence: float | None = None
+             ) -> list[Window] | None:
+    """Advance ``rows`` on ``cache`` (``mask`` [rows, cache.length]) until each has ``gamma`` picks (or stopped
+    below ``confidence``, see fresh). ``compact``: one row on the main cache, whose rejected lookahead slots are
+    truncated instead of masked."""
     forwards = 0
     while True:
         fed = [_fed(row, gamma) for row in rows]
@@ -161,7 +173,7 @@ def _advance(draft: DraftModel, cache: KVCache, mask: np.ndarray, rows: list[_Ro
         else:
             logits, streams = draft.forward_streaming(cache, ids, mask, positions)
         forwards += 1
-        ends = _pick(rows, fed, logits, positions, sampler, top_k)
+        ends = _pick(rows, fed, logits, positions, sampler, top_k, confidence)
         for r, (row, f) in enumerate(zip(rows, fed)):
             if not f:
                 continue
@@ -184,14 +196,15 @@ def _advance(draft: DraftModel, cache: KVCache, mask: np.ndarray, rows: list[_Ro
 
 def _fed(row: _Row, gamma: int) -> list[int]:
     """What ``row`` feeds next: its feed, then as much lookahead as may still be needed (nothing once done)."""
-    need = gamma - len(row.tokens)
+    need = 0 if row.stopped else gamma - len(row.tokens)
     return [*row.feed, *row.lookahead[:need - 1]] if need > 0 else []
 
 
 def _pick(rows: list[_Row], fed: list[list[int]], logits: np.ndarray, positions: np.ndarray, sampler: Sampler,
-          top_k: int) -> list[int]:
+          top_k: int, confidence: float | None = None) -> list[int]:
     """Each row's picks after its feed (logits [rows, width, vocab]); a row keeps the lookahead prefix its picks
-    confirm, plus the pick after it. Returns per row the first column it does not keep."""
+    confirm, plus the pick after it, and with a ``confidence`` threshold nothing after its first pick below it.
+    Returns per row the first column it does not keep."""
     width = logits.shape[1]
     if all(len(f) == len(row.feed) == width for row, f in zip(rows, fed)):  # no lookahead, no padding
         rr, cc = range(len(rows)), [width - 1] * len(rows)
@@ -215,6 +228,12 @@ def _pick(rows: list[_Row], fed: list[list[int]], logits: np.ndarray, positions:
         base, kept = len(row.feed) - 1, 0
         while base + kept + 1 < len(f) and f[base + kept + 1] == picks[i + kept]:
             kept += 1
+        if confidence is not None:
+            sure = top1_probability(chosen[i:i + kept + 1]).tolist()  # [kept + 1]
+            unsure = [j for j, p in enumerate(sure) if p < confidence]
+            if unsure:  # the window ends at its first unsure pick (confidence 0 never stops: p > 0)
+                kept, row.stopped = unsure[0], True
+            row.confidence += sure[:kept + 1]
         new = picks[i:i + kept + 1]
         row.tokens += new
         if top is not None:
@@ -233,4 +252,4 @@ def _window(row: _Row, forwards: int, kv: RowSlots | None) -> Window:
     top_ids, top_lps = (np.stack(t) for t in zip(*row.top)) if row.top else \
         (np.zeros((g, 0), np.int64), np.zeros((g, 0), np.float32))
     return Window(np.asarray(row.tokens, np.int64), top_ids, top_lps, np.stack(row.probs) if row.probs else None,
-                  forwards, kv=kv)
+                  forwards, kv=kv, confidence=np.asarray(row.confidence) if row.confidence else None)

@@ -130,6 +130,16 @@ def top_k_logprobs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, top - log_norm
 
 
+def top1_probability(logits: np.ndarray) -> np.ndarray:
+    """logits [S, vocab] -> the softmax probability of each row's argmax [S]: the draft's confidence in its
+    greedy pick, which a confidence-stopped window (rollout.py) compares with its threshold. float32 throughout
+    (a float64 copy of a 151936-id row costs ten times the 0.4 ms this takes)."""
+    logits = np.asarray(logits, np.float32)
+    shifted = logits - logits.max(axis=-1, keepdims=True)  # [S, vocab], <= 0
+    np.exp(shifted, out=shifted)
+    return 1.0 / shifted.sum(axis=-1)
+
+
 def top2_margin(logits: np.ndarray) -> np.ndarray:
     """logits [S, vocab] -> top-1 minus top-2 logit [S] (near-tie detector for the tie-aware oracle)."""
     part = np.partition(logits, -2, axis=-1)

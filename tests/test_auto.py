@@ -127,7 +127,8 @@ def test_switching_modes_mid_generation_keeps_parity_with_ar(draft, same_draft, 
     ids = pipe.encode(PROMPT, config)
     reference = generate(pipe, "ar").tokens
     script = [Strategy("sd", 3), Strategy("mirror", 4), Strategy("ar"), Strategy("mirror", 2, exit_head=False),
-              Strategy("sd", 5), Strategy("mirror", 6), Strategy("ar"), Strategy("sd", 1)] * 2
+              Strategy("sd", 5), Strategy("mirror", 6), Strategy("ar"), Strategy("sd", 1),
+              Strategy("sd", 6, confidence=0.3), Strategy("sd", 4, confidence=0.7)] * 2
     profile = pipe.profile()
     proposer = Scripted(lambda s: pipe._proposer(concrete(config, s)), pipe.planner.costs(pipe.thread_key),
                         profile.acceptance, script=script, every=2)
@@ -285,7 +286,7 @@ def test_leaves_ar_when_the_probe_measures_a_good_draft(same_draft, single_threa
 
     pipe = single_thread(same_draft)
     measured = with_costs(pipe)
-    pessimistic = replace(measured.acceptance, alpha=0.0, reuse=0.0, reuse_noexit=0.0, source="test")
+    pessimistic = replace(measured.acceptance, alpha=0.0, reuse=0.0, reuse_noexit=0.0, source="test", stops=())
     proposer, outcome, reference, seen = run_auto(pipe, pessimistic, 96)
     assert outcome.tokens == reference
     assert proposer.first.strategy.mode == "ar"
@@ -305,7 +306,7 @@ def test_stays_in_ar_when_the_probe_measures_a_useless_draft(random_draft, singl
 
     pipe = single_thread(random_draft)
     measured = with_costs(pipe)
-    proposer, outcome, reference, seen = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 96)
+    proposer, outcome, reference, seen = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test", stops=()), 96)
     assert outcome.tokens == reference
     # never to the draft; the random text repeats, so the lookup replay may take ngram (no draft either)
     assert set(seen) <= {"ar", "ngram"} and seen[0] == "ar", proposer.report()
@@ -329,7 +330,7 @@ def test_the_probe_is_not_timed_as_part_of_ar_s_steps(random_draft, single_threa
     monkeypatch.setattr(ArProbe, "probe", lambda self, committed: (time.sleep(0.3), slow(self, committed))[1])
     pipe = single_thread(random_draft)
     measured = with_costs(pipe)
-    proposer, outcome, reference, seen = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 96)
+    proposer, outcome, reference, seen = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test", stops=()), 96)
     assert outcome.tokens == reference and proposer.report()["ar_probe"]["probes"] >= 2
     ar = next(s for s in proposer.step_factor if s.mode == "ar")
     assert proposer.step_factor[ar] < 3.0, proposer.step_factor  # 0.3 s in 16 steps of a few ms: factor > 10
@@ -382,7 +383,7 @@ def test_no_probe_when_speculation_cannot_pay(same_draft, single_thread):
     measured = with_costs(pipe)
     costs = replace(pipe.planner.costs(pipe.thread_key), draft1_s=0.050, branch_fwd_s=0.060)
     pipe.use_profile(replace(pipe.profile(), splits=(costs,), detail=({},)))
-    proposer, outcome, reference, _ = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 48)
+    proposer, outcome, reference, _ = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test", stops=()), 48)
     assert outcome.tokens == reference
     assert proposer.report()["ar_probe"] is None
     assert all(s.new.split()[0] == "ngram" for s in proposer.switches), proposer.report()  # never to the draft
@@ -395,7 +396,7 @@ def test_no_probe_when_too_few_tokens_remain_for_a_switch_to_pay(same_draft, sin
 
     pipe = single_thread(same_draft)
     measured = with_costs(pipe, draft_prefill_s=0.030)
-    proposer, outcome, reference, seen = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test"), 96)
+    proposer, outcome, reference, seen = run_auto(pipe, replace(measured.acceptance, alpha=0.0, source="test", stops=()), 96)
     assert outcome.tokens == reference and set(seen) <= {"ar", "ngram"}  # ngram: the lookup replay, no draft
     probe = proposer.report()["ar_probe"]
     assert probe is not None and probe["probes"] == 0, probe  # probing was on, and declined each time

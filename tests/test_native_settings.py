@@ -29,6 +29,7 @@ C_LACKS = {
     "verify": "sampling: the exact/residual rules matter at T > 0 only",
     "streaming": "the streaming draft (draft_streaming.onnx) is not driven; the plain draft gives the same tokens",
     "ngram": "prompt lookup (runtime/ngram.py) is Python-only",
+    "draft_confidence": "the draft-confidence stop (runtime/rollout.py) is Python-only: C's sd drafts gamma tokens",
     "ngram_min": "prompt lookup is Python-only",
     "ngram_max": "prompt lookup is Python-only",
 }

@@ -73,9 +73,13 @@ class BenchResult:
     latency: list = field(default_factory=list)  # latency_check.CheckRow per fixed mode: predicted vs measured
 
 
+STOP_THRESHOLD = 0.8  # sd-stop's threshold: the best of the replayed grid on the Qwen pair (docs/performance.md)
 VARIANTS = {  # bench mode name -> GenerationConfig fields
     **{mode: {"mode": mode} for mode in (*MODES, AUTO)},  # auto: the mode the latency model picks (its why: stats)
     "sd-ngram": {"mode": "sd", "ngram": True},  # sd whose draft checks a prompt-lookup guess as lookahead
+    # sd whose windows end after the draft's first pick below STOP_THRESHOLD (GenerationConfig.draft_confidence)
+    "sd-stop": {"mode": "sd", "draft_confidence": STOP_THRESHOLD},
+    "sd-stop-ngram": {"mode": "sd", "draft_confidence": STOP_THRESHOLD, "ngram": True},
     "mirror-ngram": {"mode": "mirror", "ngram": True},  # the same for mirror's fresh windows (misses)
     "auto-nolookahead": {"mode": AUTO, "ngram": False},  # auto whose sd and mirror run without that lookahead
     "mirror-noexit": {"mode": "mirror", "exit_head": False},  # draft runner-ups only: no exit-head pass

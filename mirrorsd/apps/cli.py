@@ -34,7 +34,7 @@ KERNELS_HELP = ("MatMulNBits kernel of ONNX Runtime CPU sessions: mirrorsd (devi
 
 def build_parser() -> argparse.ArgumentParser:
     from mirrorsd import flags, specbench
-    from mirrorsd.apps.bench import BenchOptions as B
+    from mirrorsd.apps.bench import STOP_THRESHOLD, BenchOptions as B
     from mirrorsd.names import PRECISIONS
     from mirrorsd.runtime.config import MODE_CHOICES, GenerationConfig as G
     from mirrorsd.runtime.sampling import RULES
@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(gen, G, "ngram", action=argparse.BooleanOptionalAction,
               help="sd, mirror: feed fresh draft windows a prompt-lookup guess as lookahead (the same windows, fewer "
                    "draft forwards where the text repeats); default: off for sd and mirror, on inside auto")
+    flags.add(gen, G, "draft_confidence",
+              help="sd: end a draft window after the first token the draft gives less than this probability (its "
+                   "top-1 softmax), so it drafts long windows where it is sure and short ones where it is not; "
+                   "0 = always --gamma tokens. The target verifies every token: the output is the same")
     flags.add(gen, G, "ngram_min", help="ngram, --ngram: the shortest earlier n-gram a lookup matches")
     flags.add(gen, G, "ngram_max", help="ngram, --ngram: the longest n-gram a lookup tries first")
     flags.add(gen, G, "streaming", "--no-streaming",
@@ -98,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(bench, B, "model", required=True, type=Path, help="an export folder")
     bench.add_argument("--modes", default=",".join(B.modes),
                        help="comma-separated modes; ar is the speedup baseline. Ours: ar, sd, mirror, auto (the mode "
-                            "the latency model picks; stats.auto in runs.json says which and why), mirror-noexit, "
+                            "the latency model picks; stats.auto in runs.json says which and why), ngram, sd-ngram (sd whose draft "
+                            "checks a prompt-lookup guess), sd-stop and sd-stop-ngram (sd whose windows end at the "
+                            f"draft's first pick below probability {STOP_THRESHOLD}), mirror-noexit, "
                             "mirror-cap, mirror-wide (6 branches in batches of 3, no exit head), sd-nostream, "
                             "mirror-nostream. The same decoders in C++ (libmirrorsd, runtime/native): c-ar, c-sd, "
                             "c-mirror, c-mirror-noexit. Peers (bash scripts/setup.sh --peers): hf-ar, "

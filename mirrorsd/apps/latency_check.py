@@ -5,7 +5,8 @@ Auto ranks strategies by these predictions (runtime/planner/latency.py), so this
 be trusted on this machine. Only the acceptance comes from the run (per prompt: sd and mirror's alpha from their
 mean accepted tokens, mirror's reuse rate, ngram's copied windows); every cost comes from the profile, measured
 before the run. Mode ngram's replay widths are not in a run's statistics, so its windows are priced at their mean
-width (the verify cost interpolated between the two row counts around it).
+width (the verify cost interpolated between the two row counts around it); so are sd-stop's (sd with a
+draft-confidence stop, whose windows vary in length), plus the run's draft forwards.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from mirrorsd.runtime.planner.latency import (Acceptance, SplitCosts, Strategy, 
                                               predict)
 
 CHECKED = {"ar": ("ar", True), "sd": ("sd", True), "mirror": ("mirror", True), "mirror-noexit": ("mirror", False),
-           "ngram": ("ngram", True)}  # bench mode -> (latency-model mode, exit head)
+           "ngram": ("ngram", True), "sd-stop": ("sd-stop", True)}  # bench mode -> (latency-model mode, exit head)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ def predicted_tps(costs: SplitCosts, mode: str, stats: dict, gamma: int) -> floa
         return 1.0 / costs.verify_s[0]
     if kind == "ngram":
         return _ngram_tps(costs, stats)
+    if kind == "sd-stop":
+        return _ngram_tps(costs, stats, costs.draft1_s)
     g = min(gamma, costs.max_gamma)
     alpha = alpha_from_mean_accepted(stats["mean_accepted_tokens"], g)
     reuse = stats.get("reuse_rate", 0.0)
@@ -49,14 +52,15 @@ def predicted_tps(costs: SplitCosts, mode: str, stats: dict, gamma: int) -> floa
     return predict(costs, strategy, Acceptance(alpha, reuse, reuse, "bench run")).tokens_per_second
 
 
-def _ngram_tps(costs: SplitCosts, stats: dict) -> float:
+def _ngram_tps(costs: SplitCosts, stats: dict, draft_s: float = 0.0) -> float:
+    """Windows priced at their mean width; ``draft_s`` per drafted token (0: copied, mode ngram)."""
     steps, windows, drafted = stats["steps"], stats["windows"], stats["drafted"]
     tokens = stats["accepted"] + steps
     width = drafted / windows if windows else 0.0  # copied tokens per window, on average
     low = min(int(width), costs.max_gamma)
     high = min(low + 1, costs.max_gamma)
     verify_window = costs.verify_s[low] + (width - low) * (costs.verify_s[high] - costs.verify_s[low])
-    seconds = (steps - windows) * costs.verify_s[0] + windows * verify_window
+    seconds = (steps - windows) * costs.verify_s[0] + windows * verify_window + stats.get("draft_forwards", drafted) * draft_s
     return tokens / seconds
 
 

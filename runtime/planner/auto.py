@@ -41,6 +41,7 @@ from typing import Callable
 from mirrorsd.runtime.planner.ar_probe import PROBE_STEPS, ArProbe, leave_ar, speculation_can_pay
 from mirrorsd.runtime.planner.latency import MODES, Acceptance, Prediction, SplitCosts, Strategy, Table, rank
 from mirrorsd.runtime.planner.lookup import LookupCounts, LookupReplay
+from mirrorsd.runtime.planner.stops import StopReplay, add, prefer
 from mirrorsd.runtime.rollout import Window
 from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.verify import Verdict
@@ -65,6 +66,8 @@ class OnlineStats:
     def record(self, verdict: Verdict, strategy: Strategy, reused: bool) -> None:
         if verdict.drafted == 0 or strategy.mode == "ngram":  # copied windows say nothing of the draft
             return
+        if strategy.confidence:  # windows cut where the draft was unsure: their acceptance is not alpha's (the
+            return  # stop replay, planner/stops.py, measures them)
         self.steps += 1
         self.accepted += verdict.accepted
         self.tried += verdict.accepted + (verdict.accepted < verdict.drafted)
@@ -82,20 +85,22 @@ class OnlineStats:
 
         measured = alpha != prior.alpha or reuse(True, None) is not None or reuse(False, None) is not None
         return Acceptance(alpha, reuse(True, prior.reuse), reuse(False, prior.reuse_noexit),
-                          "online" if measured else prior.source)
+                          "online" if measured else prior.source, stops=prior.stops)
 
 
 def blend(old: Acceptance, new: Acceptance, weight: float = 0.5) -> Acceptance:
     """What the next generation plans from: ``new`` (one generation's measurement) averaged into ``old`` with
-    ``weight`` (running_weight: a running mean over the generations, the calibration counting as its prompts)."""
+    ``weight`` (running_weight: a running mean over the generations, the calibration counting as its prompts); the
+    stop replays' windows added up."""
+    stops = add(old.stops, new.stops)
     if new.source != "online":
-        return old
+        return replace(old, stops=stops)
 
     def mix(a: float | None, b: float | None) -> float | None:
         return b if a is None else a if b is None else (1 - weight) * a + weight * b
 
     return Acceptance(mix(old.alpha, new.alpha), mix(old.reuse, new.reuse), mix(old.reuse_noexit, new.reuse_noexit),
-                      "calibration + online")
+                      "calibration + online", stops=stops)
 
 
 def running_weight(generations: int, calibration_prompts: int) -> float:
@@ -203,6 +208,7 @@ class AutoProposer:
         self._probe_due = False
         self._ar_steps = 0
         self.replay = LookupReplay(max(costs.max_gamma, 1))  # mode ngram replayed on the committed text
+        self.stops = StopReplay(max(costs.max_gamma, 1))  # the draft-confidence stops replayed on sd's windows
         self._replayed_at_check: tuple[LookupCounts, ...] = ()  # the replay's counts at the last check
         self._prompt_tokens = 0
 
@@ -213,7 +219,8 @@ class AutoProposer:
     # ---- the proposer interface -------------------------------------------------------------------------------
     def reset(self, prompt: list[int], sampler: Sampler = GREEDY) -> None:
         self.sampler = sampler
-        self.inner = self._make(self.strategy)
+        self.stops = StopReplay(self.stops.max_gamma)
+        self.inner = self._start(self.strategy)
         self.inner.reset(prompt, sampler)
         self._prompt_tokens = len(prompt)
         self.replay = LookupReplay(self.replay.max_gamma)
@@ -301,7 +308,8 @@ class AutoProposer:
 
     def acceptance(self) -> Acceptance:
         """What this generation measured so far (online.acceptance), with its ngram replay."""
-        return replace(self.online.acceptance(self.prior), lookup=self.replay.all_counts())
+        return replace(self.online.acceptance(self.prior), lookup=self.replay.all_counts(),
+                       stops=prefer(self.stops.counts(), self.prior.stops))
 
     def _take_lookup(self, measured: float, recent: tuple[LookupCounts, ...] = ()) -> None:
         """Switch to ngram when its replay on this text predicts it LOOKUP_MARGIN faster than what runs now (both
@@ -342,7 +350,8 @@ class AutoProposer:
         if alpha is None:
             return
         known = self.online.acceptance(self.prior)  # the probe measures alpha only; reuse stays what was known
-        acceptance = Acceptance(alpha, known.reuse, known.reuse_noexit, "ar probe", self.replay.all_counts())
+        acceptance = Acceptance(alpha, known.reuse, known.reuse_noexit, "ar probe", self.replay.all_counts(),
+                                prefer(self.stops.counts(), self.prior.stops))
         table = self._plan(acceptance, self.strategy)
         best = leave_ar(table, current=self.strategy)
         if best is None:
@@ -366,7 +375,7 @@ class AutoProposer:
         if new.strategy != self.strategy or self.inner is None:
             self.inner.finish()
             self._count_branches(self.inner)
-            self.inner = self._make(new.strategy)
+            self.inner = self._start(new.strategy)
             self.inner.reset(list(committed), self.sampler)
             if new.strategy.mode in TARGET_ONLY and self.strategy.mode not in TARGET_ONLY and self._probing:
                 self.probe.restart()  # a new period without the draft: probe afresh, PROBE_STEPS from now
@@ -375,6 +384,13 @@ class AutoProposer:
         self.scale = 1.0
         self._recent = []
         self._last = time.perf_counter()
+
+    def _start(self, strategy: Strategy):
+        """The proposer of ``strategy``; an sd one hands every window to the stop replay."""
+        inner = self._make(strategy)
+        if strategy.mode == "sd" and not strategy.streaming and hasattr(inner, "record_stops"):
+            inner.record_stops(self.stops)
+        return inner
 
     def _count_branches(self, proposer) -> None:
         counters = getattr(proposer, "counters", None)
@@ -385,11 +401,11 @@ class AutoProposer:
     def measured_acceptance(self) -> Acceptance:
         """What this generation measured, for the next one's prior: its speculative steps' acceptance, else (it
         stayed in ar) the alpha its ar probes measured; the prior where it measured neither."""
-        online = self.online.acceptance(self.prior)
+        online = replace(self.online.acceptance(self.prior), stops=self.stops.counts())  # (blend adds them up)
         alpha = self.probe.total.alpha if self._probing else None
         if online.source == "online" or alpha is None:
             return online
-        return Acceptance(alpha, self.prior.reuse, self.prior.reuse_noexit, "online")
+        return Acceptance(alpha, self.prior.reuse, self.prior.reuse_noexit, "online", stops=online.stops)
 
     def report(self) -> dict:
         """What it chose and why, for the statistics and --json."""

@@ -20,6 +20,8 @@ contention terms and the worker's real schedule):
 
     ar       T = verify(1)                                                         1 token per step
     sd       T = gamma * draft1 + verify(gamma + 1)                                E[A + 1] tokens per step
+    sd, stop T = sum over replayed windows of L * draft1 + verify(L + 1) / steps    tokens / steps (planner/stops.py:
+             at t   the windows auto's sd drafted, cut where a stop at t would have ended them: length L <= gamma)
     ngram    T = sum over replayed steps of verify(w) / steps                     tokens / steps (planner/lookup.py:
                                                                            mode ngram replayed on the text itself)
     mirror   V = c_target * (verify(g + 1) + exit(g + 1))   the target verifies while the draft rolls out:
@@ -48,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from mirrorsd.runtime.planner.lookup import LookupCounts
+from mirrorsd.runtime.planner.stops import THRESHOLDS, StopCounts, stop_at
 
 MODES = ("ar", "sd", "mirror", "ngram")
 MIN_LOOKUP_STEPS = 8  # replayed ngram steps (planner/lookup.py) before ngram is ranked at all
@@ -107,12 +110,17 @@ class Acceptance:
     reuse_noexit: float | None = None  # None: same as reuse
     source: str = "prior"
     lookup: tuple[LookupCounts, ...] = ()  # mode ngram replayed on this generation's text, per gamma 1 .. ((): none)
+    stops: tuple[StopCounts, ...] = ()  # sd with a draft-confidence stop replayed on drafted windows ((): none)
 
     def lookup_at(self, gamma: int) -> LookupCounts | None:
         """The replay at window ``gamma``, when it has MIN_LOOKUP_STEPS steps (else ngram is not ranked)."""
         if gamma > len(self.lookup) or self.lookup[gamma - 1].steps < MIN_LOOKUP_STEPS:
             return None
         return self.lookup[gamma - 1]
+
+    def stop_at(self, gamma: int, threshold: float) -> StopCounts | None:
+        """The stop replay at (gamma, threshold), when it has enough windows (else that stop is not ranked)."""
+        return stop_at(self.stops, gamma, threshold)
 
     def reuse_for(self, exit_head: bool) -> float:
         return self.reuse if exit_head or self.reuse_noexit is None else self.reuse_noexit
@@ -127,6 +135,7 @@ class Strategy:
     exit_head: bool = True
     streaming: bool = False
     split: str = ""  # SplitCosts.split it runs on
+    confidence: float = 0.0  # sd: the draft-confidence stop (GenerationConfig.draft_confidence); 0 = none
 
     @property
     def name(self) -> str:
@@ -134,7 +143,8 @@ class Strategy:
             return f"ar {self.split}".strip()
         extra = "" if self.mode != "mirror" or self.exit_head else "-noexit"
         stream = "-stream" if self.streaming else ""
-        return f"{self.mode}{extra}{stream} g{self.gamma} {self.split}".strip()
+        stop = f"-stop{self.confidence:g}" if self.confidence else ""
+        return f"{self.mode}{extra}{stream}{stop} g{self.gamma} {self.split}".strip()
 
 
 @dataclass(frozen=True)
@@ -177,6 +187,10 @@ def step_time(costs: SplitCosts, strategy: Strategy, acceptance: Acceptance) -> 
     if strategy.mode == "ngram":
         counts = acceptance.lookup_at(g)
         return sum(n * costs.verify_s[w] for w, n in enumerate(counts.widths)) / counts.steps
+    if strategy.mode == "sd" and strategy.confidence:
+        counts = acceptance.stop_at(g, strategy.confidence)
+        return sum(n * (_window_s(costs, length, strategy.streaming) + costs.verify_s[length])
+                   for length, n in enumerate(counts.lengths) if n) / counts.steps
     window = _window_s(costs, g, strategy.streaming)
     if strategy.mode == "sd":
         return window + costs.verify_s[g]
@@ -227,6 +241,9 @@ def predict(costs: SplitCosts, strategy: Strategy, acceptance: Acceptance, conte
     if strategy.mode == "ngram":
         counts = acceptance.lookup_at(strategy.gamma)
         tokens = counts.tokens / counts.steps
+    elif strategy.mode == "sd" and strategy.confidence:
+        counts = acceptance.stop_at(strategy.gamma, strategy.confidence)
+        tokens = counts.tokens / counts.steps
     else:
         tokens = 1.0 if strategy.mode == "ar" else expected_tokens(acceptance.alpha, strategy.gamma)
     step = step_time(costs, strategy, acceptance)
@@ -266,7 +283,7 @@ class Table:
 def candidates(costs: SplitCosts, gammas: tuple[int, ...] | None = None, streaming: bool = False,
                acceptance: Acceptance | None = None) -> list[Strategy]:
     """ar, sd at every gamma, mirror with and without the exit head at every gamma, on one split; ngram at every
-    gamma its replay in ``acceptance`` covers."""
+    gamma its replay in ``acceptance`` covers, and sd with each draft-confidence stop its replay covers."""
     gammas = gammas or tuple(range(1, costs.max_gamma + 1))
     gammas = tuple(g for g in gammas if 1 <= g <= costs.max_gamma)
     out = [Strategy("ar", split=costs.split)]
@@ -275,6 +292,9 @@ def candidates(costs: SplitCosts, gammas: tuple[int, ...] | None = None, streami
         out += [Strategy("mirror", g, exit_head=e, streaming=streaming, split=costs.split) for e in (True, False)]
         if acceptance is not None and acceptance.lookup_at(g) is not None:
             out.append(Strategy("ngram", g, split=costs.split))
+        if acceptance is not None and not streaming:  # (a streaming draft's windows are not replayed)
+            out += [Strategy("sd", g, split=costs.split, confidence=t) for t in THRESHOLDS
+                    if acceptance.stop_at(g, t) is not None]
     return out
 
 

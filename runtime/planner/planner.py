@@ -80,4 +80,5 @@ def concrete(config: GenerationConfig, strategy: Strategy) -> GenerationConfig:
     """The fixed-mode config that runs ``strategy`` with ``config``'s other settings (auto's sd and mirror take the
     prompt-lookup lookahead unless ``config.ngram`` is False)."""
     return replace(config, mode=strategy.mode, gamma=max(strategy.gamma, 1), exit_head=strategy.exit_head,
-                   streaming=strategy.streaming, ngram=config.ngram is not False)
+                   streaming=strategy.streaming, ngram=config.ngram is not False,
+                   draft_confidence=strategy.confidence)

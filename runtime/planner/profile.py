@@ -17,6 +17,7 @@ from pathlib import Path
 
 from mirrorsd.errors import ProfileError
 from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts
+from mirrorsd.runtime.planner.stops import StopCounts
 
 SCHEMA = "mirrorsd-profile/1"
 CACHE_ENV = "MIRRORSD_PROFILES"  # a folder for cached profiles instead of <cache>/profiles (tests use a tmp one)
@@ -55,7 +56,8 @@ class Profile:
                            for s, d in zip(self.splits, self.detail or ({},) * len(self.splits))],
                 "acceptance": None if self.acceptance is None else {
                     "alpha": self.acceptance.alpha, "reuse": self.acceptance.reuse,
-                    "reuse_noexit": self.acceptance.reuse_noexit, "source": self.acceptance.source},
+                    "reuse_noexit": self.acceptance.reuse_noexit, "source": self.acceptance.source,
+                    "stops": [c.to_list() for c in self.acceptance.stops]},
                 "calibration": self.calibration}
 
 
@@ -70,7 +72,7 @@ def _costs_json(costs: SplitCosts) -> dict:
 TOP_KEYS = {"schema", "kind", "machine", "created", "export", "sources", "notes", "splits", "acceptance",
             "calibration"}
 SPLIT_KEYS = {f.name for f in fields(SplitCosts)} | {"detail"}
-ACCEPTANCE_KEYS = {"alpha", "reuse", "reuse_noexit", "source"}
+ACCEPTANCE_KEYS = {"alpha", "reuse", "reuse_noexit", "source", "stops"}
 
 
 def from_json(data: dict, where: str = "profile") -> Profile:
@@ -102,9 +104,15 @@ def from_json(data: dict, where: str = "profile") -> Profile:
     acceptance = None
     if acc is not None:
         _keys(acc, ACCEPTANCE_KEYS, f"{where} acceptance")
+        try:
+            stops = tuple(StopCounts.from_list(item) for item in acc.get("stops") or ())
+        except (TypeError, ValueError) as exc:
+            raise ProfileError(f"{where} acceptance.stops is malformed", f"{type(exc).__name__}: {exc}",
+                               "each entry is [gamma, threshold, tokens, [steps per window length]]; fix the file, "
+                               "or re-measure it") from exc
         acceptance = Acceptance(float(acc["alpha"]), float(acc["reuse"]),
                                 None if acc.get("reuse_noexit") is None else float(acc["reuse_noexit"]),
-                                str(acc.get("source", "profile")))
+                                str(acc.get("source", "profile")), stops=stops)
         rates = (acceptance.alpha, acceptance.reuse, acceptance.reuse_for(False))
         if not all(0.0 <= r <= 1.0 for r in rates):  # NaN fails this too
             raise ProfileError(f"{where} acceptance is out of range", f"alpha and reuse are probabilities, 0..1 "

@@ -13,7 +13,8 @@ and the generate call the calibration runs.
     contention the target's verification while the draft rolls out branches on another thread, and the draft's
                branch forward while the target verifies (on one CPU both share the cores and the memory bus)
     acceptance a short Mirror-SD calibration run (with and without the exit head): mean accepted tokens -> alpha,
-               and the reuse rates
+               and the reuse rates; a short sd run at window MAX_GAMMA with the draft's pick probabilities
+               recorded: the draft-confidence stops replayed on its windows (planner/stops.py)
 
 Times are medians of ``repeats`` runs after one warm-up. The result is cached per export and device set
 (runtime/planner/profile.py); ``profile_for`` measures only what the cache lacks.
@@ -29,6 +30,7 @@ import numpy as np
 from mirrorsd.runtime.planner import profile as profiles
 from mirrorsd.runtime.config import GenerationConfig
 from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts, alpha_from_mean_accepted, split_name
+from mirrorsd.runtime.planner.stops import StopCounts, StopReplay
 from mirrorsd.runtime.planner.view import PipelineView
 from mirrorsd.runtime.rollout import branches, fresh
 from mirrorsd.runtime.sampling import GREEDY
@@ -272,11 +274,31 @@ def calibrate(view: PipelineView, gamma: int = GenerationConfig.gamma, tokens: i
         return sum(s.reused for s in runs) / windows if windows else 0.0
 
     acceptance = Acceptance(alpha_from_mean_accepted(mean, gamma), reuse(stats[True]), reuse(stats[False]),
-                            "calibration")
+                            "calibration", stops=calibrate_stops(view, MAX_GAMMA, tokens, tick))
     steps = {e: (sum(s.seconds - s.time_to_first_token_s for s in runs) / max(sum(s.steps for s in runs), 1))
              for e, runs in stats.items()}  # measured decode seconds per step, with / without the exit head
     return acceptance, {"gamma": gamma, "prompts": len(CALIBRATION_PROMPTS), "tokens": tokens,
                         "mean_accepted_tokens": round(mean, 4), "mirror_step_s": [steps[True], steps[False]]}
+
+
+def calibrate_stops(view: PipelineView, gamma: int = MAX_GAMMA, tokens: int = CALIBRATION_TOKENS,
+                    tick=lambda: None) -> tuple[StopCounts, ...]:
+    """sd at window ``gamma`` on the calibration prompts, every pick's draft probability recorded: the replayed
+    draft-confidence stops (planner/stops.py) that mode auto ranks before a generation has measured its own."""
+    from mirrorsd.runtime.decoder import DecodeSettings, decode
+    from mirrorsd.runtime.proposers import SerialDraft
+
+    replay = StopReplay(gamma)
+    manifest = view.manifest
+    config = GenerationConfig(chat=bool(manifest.tokenizer.chat_template))
+    limit = min(manifest.target.max_position_embeddings, manifest.draft.max_position_embeddings)
+    settings = DecodeSettings(tokens, tuple(manifest.tokenizer.eos_token_ids), limit, gamma)
+    for text in CALIBRATION_PROMPTS:
+        proposer = SerialDraft(view.draft)
+        proposer.record_stops(replay)
+        decode(view.target, proposer, view.encode(text, config), settings)
+        tick()
+    return replay.counts()
 
 
 def fit_mirror_host(costs: SplitCosts, acceptance: Acceptance, how: dict) -> SplitCosts:
@@ -312,11 +334,13 @@ def profile_for(view: PipelineView, progress: bool = False, refresh: bool = Fals
     need_split = known is None or bool(doubt)
     # an acceptance calibrated on another prompt set (an older mirrorsd) is measured again
     need_acceptance = (current.acceptance is None
-                       or current.calibration.get("prompts") != len(CALIBRATION_PROMPTS))
+                       or current.calibration.get("prompts") != len(CALIBRATION_PROMPTS)
+                       or (current.acceptance.source == "calibration" and not current.acceptance.stops))
+    #                  (an older mirrorsd calibrated no draft-confidence stops; a hand-set acceptance stays as set)
     if not (need_split or need_acceptance or current.export.get("devices") != devices):
         return current
     current = profiles.Profile(**{**current.__dict__, "export": {**current.export, "devices": devices}})
-    steps = (REPEATS + 5 if need_split else 0) + (2 * len(CALIBRATION_PROMPTS) if need_acceptance else 0)
+    steps = (REPEATS + 5 if need_split else 0) + (3 * len(CALIBRATION_PROMPTS) if need_acceptance else 0)
     bar = tqdm(total=steps, disable=not progress,
                desc=f"profiling {split_name(*view.thread_key)} threads", unit="step")
     try:
