@@ -163,6 +163,13 @@ def test_latency_check_prices_each_run_from_its_own_acceptance():
     ngram = {"steps": 10, "windows": 4, "drafted": 10, "accepted": 6}  # windows of 2.5 tokens, 16 tokens committed
     assert abs(predicted_tps(costs, "ngram", ngram, 4) - 16 / (6 * 0.010 + 4 * 0.013)) < 1e-9
     assert predicted_tps(costs, "sd", {"steps": 0}, 2) is None
+    # sd's draft prefill of the prompt (draft_prefill_s per token) is spread over the run's steps: 10 prompt tokens
+    # at 1 ms, 7 new tokens = 4 steps of 1.75 tokens -> 0.010 s over 4 steps
+    prefill = SplitCosts(**{**costs.__dict__, "draft_prefill_s": 0.001})
+    short = {**sd, "prompt_tokens": 10, "new_tokens": 7}
+    assert abs(predicted_tps(prefill, "sd", short, 2) - 1.75 / (2 * 0.005 + 0.012 + 0.010 / 4)) < 1e-6
+    stop = {"steps": 10, "windows": 10, "drafted": 15, "draft_forwards": 15, "accepted": 9, "prompt_tokens": 10}
+    assert abs(predicted_tps(prefill, "sd-stop", stop, 4) - 19 / (5 * 0.011 + 5 * 0.012 + 15 * 0.005 + 0.010)) < 1e-9
 
     def run(mode, decode, **stats):
         return SimpleNamespace(mode=mode, stats={"decode_tokens_per_second": decode, **stats})
