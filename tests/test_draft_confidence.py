@@ -247,3 +247,13 @@ def test_profile_keeps_the_stop_counts(tmp_path):
     path = tmp_path / "p.json"
     profiles.save(profile, path)
     assert profiles.load(path).acceptance.stops == stops
+
+
+def test_prefer_and_add_by_hand():
+    from mirrorsd.runtime.planner.stops import StopCounts, add, prefer
+
+    prior = (StopCounts(2, 0.5, 30, (0, 10, 10)), StopCounts(2, 0.7, 20, (0, 12, 0)))
+    online = (StopCounts(2, 0.5, 5, (0, 3, 1)), StopCounts(2, 0.7, 16, (0, 4, 5)), StopCounts(3, 0.7, 9, (0, 9, 0, 0)))
+    # (2, 0.5) has 4 windows online: the prior's stays; (2, 0.7) and (3, 0.7) have 9: this generation's
+    assert prefer(online, prior) == (prior[0], online[1], online[2])
+    assert add(prior, online) == (StopCounts(2, 0.5, 35, (0, 13, 11)), StopCounts(2, 0.7, 36, (0, 16, 5)), online[2])

@@ -45,9 +45,9 @@ def predicted_tps(costs: SplitCosts, mode: str, stats: dict, gamma: int) -> floa
     if kind == "ar":
         return 1.0 / costs.verify_s[0]
     if kind == "ngram":
-        return _ngram_tps(costs, stats)
+        return _windows_tps(costs, stats)
     if kind == "sd-stop":
-        return _ngram_tps(costs, stats, costs.draft1_s, costs.draft_prefill_s * stats.get("prompt_tokens", 0))
+        return _windows_tps(costs, stats, costs.draft1_s, costs.draft_prefill_s * stats.get("prompt_tokens", 0))
     g = min(gamma, costs.max_gamma)
     alpha = alpha_from_mean_accepted(stats["mean_accepted_tokens"], g)
     reuse = stats.get("reuse_rate", 0.0)
@@ -56,7 +56,7 @@ def predicted_tps(costs: SplitCosts, mode: str, stats: dict, gamma: int) -> floa
                    new_tokens=stats.get("new_tokens", 0)).tokens_per_second
 
 
-def _ngram_tps(costs: SplitCosts, stats: dict, draft_s: float = 0.0, startup_s: float = 0.0) -> float:
+def _windows_tps(costs: SplitCosts, stats: dict, draft_s: float = 0.0, startup_s: float = 0.0) -> float:
     """Windows priced at their mean width; ``draft_s`` per draft forward (0: copied, mode ngram), ``startup_s``
     once (the draft's prefill)."""
     steps, windows, drafted = stats["steps"], stats["windows"], stats["drafted"]

@@ -86,11 +86,9 @@ def stop_at(counts: tuple[StopCounts, ...], gamma: int, threshold: float) -> Sto
 
 def prefer(online: tuple[StopCounts, ...], prior: tuple[StopCounts, ...]) -> tuple[StopCounts, ...]:
     """Per (gamma, threshold): this generation's counts where they hold MIN_STOP_STEPS windows, else the prior's."""
-    mine = {(c.gamma, c.threshold): c for c in online if c.steps >= MIN_STOP_STEPS}
-    keys = [(c.gamma, c.threshold) for c in prior] + [k for k in mine if k not in {(c.gamma, c.threshold)
-                                                                                  for c in prior}]
-    known = {(c.gamma, c.threshold): c for c in prior}
-    return tuple(mine.get(k) or known[k] for k in keys)
+    chosen = {(c.gamma, c.threshold): c for c in prior}
+    chosen.update({(c.gamma, c.threshold): c for c in online if c.steps >= MIN_STOP_STEPS})
+    return tuple(chosen.values())
 
 
 def add(a: tuple[StopCounts, ...], b: tuple[StopCounts, ...]) -> tuple[StopCounts, ...]:
