@@ -86,6 +86,7 @@ class OpenVINOTuning:
 #       measured 9 % slower with the Qwen pair, and the tiny models' Mirror-SD tests 30 % slower, spinning.
 SPINNING_POOL = (("session.intra_op.allow_spinning", "1"), ("session.force_spinning_stop", "1"))
 SLEEPING_POOL = (("session.intra_op.allow_spinning", "0"),)
+KERNEL_REFUSAL = "mirrorsd.kern MatMulNBits node"  # how mirrorsd's kernel starts the reason it refuses a node
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,16 @@ class BackendSession(Protocol):
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
     def input_names(self) -> list[str]: ...
+
+
+def _kernel_refusal(exc: BaseException) -> str:
+    """What mirrorsd's kernel said when it refused a node at session creation (devices/kernels/src/kernel.cpp:
+    "mirrorsd.kern MatMulNBits node 'NAME': WHAT. Fix: ..."), without its fix; empty for any other failure."""
+    text = str(exc)
+    start = text.find(KERNEL_REFUSAL)
+    if start < 0:
+        return ""
+    return text[start:].split(". Fix:", 1)[0].strip()
 
 
 def _first_line(exc: BaseException) -> str:
@@ -164,6 +175,11 @@ class OrtSession:
         try:
             self.session = make()
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/NoSuchFile types
+            refusal = _kernel_refusal(exc)
+            if refusal:  # a valid graph with a MatMulNBits layout mirrorsd's kernel does not take
+                raise GraphFileError(f"mirrorsd's MatMulNBits kernel cannot run a node of '{path.name}'", refusal,
+                                     "pass --kernels ort to run the graph on ONNX Runtime's own kernel, or export "
+                                     "it with mirrorsd-export (blocks of 32, no uint8 zero points)") from exc
             raise GraphFileError(f"ONNX Runtime could not load '{path.name}'", _first_line(exc),
                                  "the file may be truncated or damaged: re-export the folder") from exc
         self.effective = self.session.get_providers()[0]

@@ -130,3 +130,19 @@ print(count, y.shape)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["1", "(2,", "64)"]
+
+
+@pytest.mark.parametrize("tweak", [{"zero_points": True}, {"extra_attributes": {"block_size": 64}}],
+                         ids=["uint8-zero-points", "block-64"])
+def test_a_node_the_kernel_refuses_is_a_clear_error_not_a_damaged_file(lib, tmp_path, tweak):
+    """The runtime runs mirrorsd's kernel for every MatMulNBits node (replace mode); a valid graph in a layout it
+    does not take must say so and name the way out (--kernels ort), not call the file damaged."""
+    from mirrorsd.devices.backends import OrtSession, SessionSettings
+
+    path = tmp_path / "layout.onnx"
+    path.write_bytes(model_bytes(random_layers(np.random.default_rng(3), [64, 32], 4), kernels.ORT_DOMAIN, **tweak))
+    with pytest.raises(GraphFileError) as caught:
+        OrtSession(path, SessionSettings(kernels="mirrorsd"))
+    text = str(caught.value)
+    assert "mirrorsd's MatMulNBits kernel cannot run a node of 'layout.onnx'" in text
+    assert "mm0" in text and "--kernels ort" in text and "damaged" not in text

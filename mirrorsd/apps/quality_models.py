@@ -20,9 +20,11 @@ from mirrorsd.errors import GenerationInputError
 ROLES = ("target", "draft")
 
 
-def open_scorer(folder: Path, role: str = "target"):
+def open_scorer(folder: Path, role: str = "target", kernels: str = "auto"):
+    """``kernels``: the MatMulNBits kernel of an export's ONNX Runtime CPU sessions (auto | mirrorsd | ort)."""
     folder = Path(folder).expanduser()
-    return scorer_kind(folder)(folder, role)
+    kind = scorer_kind(folder)
+    return kind(folder, role, kernels) if kind is ExportScorer else kind(folder, role)
 
 
 def scorer_kind(folder: Path):
@@ -62,13 +64,14 @@ class ExportScorer(_Scorer):
 
     kind = "export"
 
-    def __init__(self, folder: Path, role: str) -> None:
+    def __init__(self, folder: Path, role: str, kernels: str = "auto") -> None:
+        from mirrorsd.devices.placement import DeviceRequest
         from mirrorsd.runtime import Pipeline
 
         if role not in ROLES:
             raise GenerationInputError(f"--role {role!r} is not a model of an export", f"choose {' or '.join(ROLES)}",
                                        "pass --role target or --role draft")
-        self.role, self.pipe = role, Pipeline.load(folder)
+        self.role, self.pipe = role, Pipeline.load(folder, DeviceRequest(kernels=kernels))
         self.label = f"{folder} ({role})"
         roles = (names.PREFIX, names.SUFFIX) if role == "target" else (names.DRAFT,)
         files = [self.pipe.manifest.graph(r).file for r in roles]
