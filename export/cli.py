@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from mirrorsd.cli_exit import run_command, write_stdout
+from mirrorsd.export.gguf_blocks import MODES as GGUF_BLOCK_MODES
 
 DESCRIPTION = """\
 Split a Hugging Face causal LM into the ONNX graphs Mirror-SD runs:
@@ -75,16 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--target-precision", choices=PRECISIONS, help="overrides --precision")
     prec.add_argument("--draft-precision", choices=PRECISIONS,
                       help="overrides --precision; an int4 draft beside an fp32/int8 target is the cheap-draft lever")
-    flags.add(prec, E, "gguf_blocks", choices=("exact", "widen", "requantize"),
+    flags.add(prec, E, "gguf_blocks", choices=GGUF_BLOCK_MODES,
               help="a .gguf source's quantized blocks: exact carries the tensors whose format maps exactly onto the "
                    "precision's MatMulNBits (int4: Q4_0, Q4_K with float zero points; int8: Q4_0, Q5_0, Q8_0) "
                    "instead of dequantizing and "
                    "quantizing them again; widen keeps at 8 bits, in an int4 export, what the file holds at more "
                    "than 4 bits (Q5_0/Q8_0 carried, Q5_1/Q5_K/Q6_K requantized at 8 bits: a Q4_K_M file's LM "
-                   "head and half its down projections; larger, near the file's own quality); requantize carries "
+                   "head and half its down projections; larger, near the file's own quality); widen-head does so "
+                   "for the target's LM head alone (the one that makes the output's logits; the exit head and the "
+                   "draft are treated as exact treats them); "
+                   "requantize carries "
                    "none. The manifest counts what was carried, widened and requantized, per format "
                    "(docs/quality.md)")
-    flags.add(prec, E, "draft_gguf_blocks", choices=("exact", "widen", "requantize"),
+    flags.add(prec, E, "draft_gguf_blocks", choices=GGUF_BLOCK_MODES,
               help="the same for the draft alone (default: --gguf-blocks), e.g. --gguf-blocks widen "
                    "--draft-gguf-blocks exact: a target near the file's quality beside a small, fast draft (the "
                    "target checks every draft token, so the draft's precision changes speed, never the output)")

@@ -52,7 +52,8 @@ import numpy as np
 from mirrorsd.errors import ExportOptionError
 from mirrorsd.names import FLOAT_ZERO_POINT_WEIGHTS, WEIGHT_BITS
 
-MODES = ("exact", "widen", "requantize")
+MODES = ("exact", "widen", "widen-head", "requantize")
+WIDE_ROLES = ("suffix",)  # widen-head: the graph whose LM head makes the target's logits (the output's precision)
 BLOCK = 32
 # GGUF type -> MatMulNBits bit widths it maps onto (Q4_K: with float zero points, which ONNX Runtime's CPU kernel
 # takes at 4 bits only)
@@ -91,6 +92,7 @@ class BlockPlan:
     bits: int  # the export's bit width (4 or 8)
     mode: str
     counts: dict = field(default_factory=dict)  # role -> Counter({"gguf_carried.Q4_0": n, ...})
+    vocab_size: int | None = None  # the LM head's N: what mode widen-head widens
 
     def carry(self, role: str, parameter: str) -> Carried | None:
         """The carried form of model parameter ``parameter`` ([N, K] in the model), or None to requantize it."""
@@ -100,14 +102,15 @@ class BlockPlan:
             return None
         tensor = reader.tensors[stored]
         kind = tensor.tensor_type.name
-        bits = self._bits(kind)
+        wide = self.mode == "widen" or (self.mode == "widen-head" and role in WIDE_ROLES
+                                        and reader.shape(stored)[0] == self.vocab_size)
+        bits = self._bits(kind, wide)
         result = carried(reader, stored, bits) if bits else None
         tally = self.counts.setdefault(role, Counter())
         if (result is not None or kind in WIDENED) and not self._same_values(stored):
             tally[f"gguf_differs.{kind}"] += 1  # the folder's weight is not the file's: requantize the folder's
             return None
-        if result is None and self.mode == "widen" and self.bits == 4 and kind in WIDENED \
-                and reader.shape(stored)[1] % BLOCK == 0:
+        if result is None and wide and self.bits == 4 and kind in WIDENED and reader.shape(stored)[1] % BLOCK == 0:
             tally[f"gguf_widened.{kind}"] += 1
             return round_to_8_bits(reader.get(stored).numpy())
         tally[f"gguf_carried.{kind}" if result else f"gguf_requantized.{kind}"] += 1
@@ -121,13 +124,13 @@ class BlockPlan:
         folder = getattr(self.weights, "folder", None)
         return folder is None or np.array_equal(folder.get(stored).numpy(), self.weights.reader.get(stored).numpy())
 
-    def _bits(self, kind: str) -> int | None:
+    def _bits(self, kind: str, wide: bool) -> int | None:
         if self.mode == "requantize":
             return None
         maps = EXACT_BITS.get(kind, ())
         if self.bits in maps:
             return self.bits
-        return 8 if self.mode == "widen" and 8 in maps else None
+        return 8 if wide and 8 in maps else None
 
     def report(self, role: str) -> dict[str, float]:
         return {k: float(v) for k, v in sorted(self.counts.get(role, {}).items())}
@@ -156,7 +159,7 @@ def block_plan(source, precision: str, mode: str) -> BlockPlan | None:
         if origin is None:
             return None
         weights = ConvertedWeights(open_gguf(origin, source.model), weights.sources, weights.reader)
-    return BlockPlan(weights, WEIGHT_BITS[precision], check_mode(mode))
+    return BlockPlan(weights, WEIGHT_BITS[precision], check_mode(mode), vocab_size=source.info.vocab_size)
 
 
 def round_to_8_bits(weight: np.ndarray) -> Carried:

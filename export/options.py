@@ -23,7 +23,7 @@ class ExportOptions:
     max_context: int | None = None  # the static draft's KV slots (default: min(1024, draft positions))
     target_precision: str = "fp32"  # fp32 | fp16 | int8 | int4 (weight-only; see quantize.py)
     draft_precision: str = "fp32"
-    gguf_blocks: str = "exact"  # a GGUF source's blocks: exact | widen | requantize (export/gguf_blocks.py)
+    gguf_blocks: str = "exact"  # a GGUF source's blocks: exact | widen | widen-head | requantize (export/gguf_blocks.py)
     draft_gguf_blocks: str | None = None  # the draft's, when it differs (None: gguf_blocks)
     embedding: str = "quantized"  # a quantized model's token embedding: quantized | float (export/embedding.py)
     draft_vocab: int | None = None  # the draft's LM head scores only the N most likely ids (export/vocab_subset.py)

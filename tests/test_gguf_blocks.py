@@ -439,3 +439,44 @@ def test_onnx_runtimes_kernel_on_float_zero_points_is_warned_about(k_exports):
     with warnings.catch_warnings():
         warnings.simplefilter("error", SlowKernelWarning)
         Pipeline.load(k_exports["requantize"], DeviceRequest(kernels="ort")).close()
+
+
+def test_widen_head_holds_only_the_logits_head_at_8_bits(tmp_path_factory):
+    """--gguf-blocks widen-head: the LM head of the graph that makes the target's logits (suffix) is held at 8 bits
+    as widen holds it; every other tensor (another Q5_K, the exit head's copy of the head, the draft's head even
+    under the same mode) is treated as exact treats it, and the manifest counts each; sd and mirror stay exact."""
+    from mirrorsd.devices import kernels
+    from mirrorsd.devices.placement import DeviceRequest
+    from mirrorsd.export.pipeline import ExportOptions, export
+    from mirrorsd.runtime import GenerationConfig, Pipeline
+
+    base = tmp_path_factory.mktemp("gguf-head")
+    gguf = write_gguf(build_model(base / "hf", "qwen2", layers=2, hidden=256), base / "head-k.gguf",
+                      {**K_TYPES, "output": "Q5_K"})
+    out = base / "out"
+    export(ExportOptions(model=gguf, output=out, target_precision="int4", draft_precision="int4", draft_layers=1,
+                         gguf_blocks="widen-head"))
+    manifest = json.loads((out / "mirrorsd.json").read_text())
+    assert manifest["export_options"]["gguf_blocks"] == "widen-head"
+    counts = {role: {k: v for k, v in manifest["graphs"][role]["validation"].items() if k.startswith("gguf_")}
+              for role in ("suffix", "exit_head", "draft")}
+    assert counts["suffix"]["gguf_widened.Q5_K"] == 1  # the head
+    assert counts["suffix"]["gguf_requantized.Q5_K"] == 1  # layer 1's v projection stays at 4 bits
+    assert "gguf_widened.Q5_K" not in counts["exit_head"] and counts["exit_head"]["gguf_requantized.Q5_K"] == 1
+    assert not any(k.startswith("gguf_widened") for k in counts["draft"])
+    source = gguf_weights(gguf)
+    for role, head_bits in (("suffix", 8), ("exit_head", 4), ("draft", 4)):
+        for parameter, (bits, _, defined, _) in nbits_nodes(out / f"{role}.onnx").items():
+            is_head = parameter == "lm_head.weight"
+            assert bits == (head_bits if is_head else 4), f"{role} {parameter}"
+            if is_head and bits == 8:  # 8-bit round-to-nearest of the file's values, as widen does
+                reference = source[gguf_name(parameter)][1]
+                step = np.repeat(np.abs(reference).reshape(reference.shape[0], -1, 32).max(-1) / 127, 32, 1)
+                assert np.all(np.abs(defined - reference) <= 0.5 * step * (1 + 1e-6))
+    if kernels.unavailable_reason():
+        pytest.skip(f"mirrorsd's kernels cannot run here: {kernels.unavailable_reason()}")
+    with Pipeline.load(out, DeviceRequest(kernels="mirrorsd")) as pipe:
+        for prompt in ([1, 17, 42, 99, 7], [1, 250, 3, 3, 3, 100, 200, 12, 8, 17, 42]):
+            ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=24)).tokens
+            for decoding in ("sd", "mirror"):
+                assert pipe.generate(prompt, GenerationConfig(mode=decoding, max_new_tokens=24)).tokens == ar
