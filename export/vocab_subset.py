@@ -83,7 +83,12 @@ def subset_ids(tokenizer, vocab: int, n: int) -> np.ndarray:
         raise UnsupportedArchitectureError("--draft-vocab needs a fast (tokenizer.json) tokenizer",
                                            "the subset is ranked from the tokenizer's merges or scores",
                                            "export without --draft-vocab")
-    return np.sort(token_order(json.loads(backend.to_str()), vocab)[:n])
+    return subset_from_json(json.loads(backend.to_str()), vocab, n)
+
+
+def subset_from_json(tokenizer_json: dict, vocab: int, n: int) -> np.ndarray:
+    """The first ``n`` ids of ``token_order`` [n] int64, ascending."""
+    return np.sort(token_order(tokenizer_json, vocab)[:n])
 
 
 def restrict_head(model, ids: np.ndarray, vocab: int):

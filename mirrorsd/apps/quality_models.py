@@ -21,10 +21,10 @@ ROLES = ("target", "draft")
 
 
 def open_scorer(folder: Path, role: str = "target", kernels: str = "auto"):
-    """``kernels``: the MatMulNBits kernel of an export's ONNX Runtime CPU sessions (auto | mirrorsd | ort)."""
+    """``kernels``: the MatMulNBits kernel of an export's ONNX Runtime CPU sessions (auto | mirrorsd | ort); the
+    Hugging Face and OpenVINO scorers run no such session and ignore it."""
     folder = Path(folder).expanduser()
-    kind = scorer_kind(folder)
-    return kind(folder, role, kernels) if kind is ExportScorer else kind(folder, role)
+    return scorer_kind(folder)(folder, role, kernels)
 
 
 def scorer_kind(folder: Path):
@@ -94,7 +94,7 @@ class HFScorer(_Scorer):
 
     kind = "hf"
 
-    def __init__(self, folder: Path, role: str) -> None:
+    def __init__(self, folder: Path, role: str, kernels: str = "auto") -> None:
         try:
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -122,7 +122,7 @@ class OpenVINOScorer(_Scorer):
 
     kind = "openvino"
 
-    def __init__(self, folder: Path, role: str) -> None:
+    def __init__(self, folder: Path, role: str, kernels: str = "auto") -> None:
         try:
             from optimum.intel import OVModelForCausalLM
             from transformers import AutoTokenizer

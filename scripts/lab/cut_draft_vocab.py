@@ -15,8 +15,6 @@ from pathlib import Path
 
 from mirrorsd import names
 from mirrorsd.export import vocab_subset
-import numpy as np
-
 from mirrorsd.manifest import VocabSubsetInfo, load_manifest
 
 
@@ -35,7 +33,7 @@ def main(source: Path, target: Path, n: int) -> None:
             os.link(item, target / item.name)
     vocab = manifest.draft.vocab_size
     tokenizer_json = json.loads((target / manifest.tokenizer.directory / "tokenizer.json").read_text(encoding="utf-8"))
-    ids = np.sort(vocab_subset.token_order(tokenizer_json, vocab)[:n])  # as subset_ids ranks a fast tokenizer
+    ids = vocab_subset.subset_from_json(tokenizer_json, vocab, n)
     spec = manifest.graphs[names.DRAFT]
     diff = vocab_subset.restrict_file(target / draft_file, ids, vocab, spec.kv)
     graphs = dict(manifest.graphs)

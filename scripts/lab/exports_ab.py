@@ -3,18 +3,22 @@ the held-out SpecBench prompts, so drift in machine speed hits every export alik
 tokens/s and whether its tokens equal its own ar's. ONNX Runtime pools spin within a run as `mirrorsd generate`'s do
 (runtime/config.spins_in_run), unless a mode in MODES is one that runs two sessions at once (mirror).
 
-    python scripts/lab/exports_ab.py EXPORT1,EXPORT2,... [MODES (default ar; bench mode names: sd-stop, ...)] [TOKENS (default 128)]
+    python scripts/lab/exports_ab.py EXPORT1,EXPORT2,... [MODES (default ar; bench mode names,
+                                                      e.g. sd-stop)] [TOKENS (default 128)]
 """
 from __future__ import annotations
 
 import statistics
 import sys
+from collections import Counter
 
 from mirrorsd import specbench
 from mirrorsd.apps.bench import variant
 from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import GenerationConfig, Pipeline
 from mirrorsd.runtime.config import spins_in_run
+
+COUNTED = ("new_tokens", "steps", "drafted", "draft_forwards")  # GenerationStats fields summed over the prompts
 
 
 def main(folders: list[str], modes: list[str], tokens: int) -> None:
@@ -25,27 +29,25 @@ def main(folders: list[str], modes: list[str], tokens: int) -> None:
         for mode in modes:
             pipe.generate("Say hello.", GenerationConfig(**{**variant(mode), "max_new_tokens": 8}))
     speed = {(f, m): [] for f in folders for m in modes}
-    counts = {(f, m): [0, 0, 0, 0] for f in folders for m in modes}  # tokens, steps, drafted, draft forwards
+    counts = {(f, m): Counter() for f in folders for m in modes}
     out = {}
     for i, question in enumerate(questions):
         order = [(f, m) for f in folders for m in modes]
         order = order[i % len(order):] + order[:i % len(order)]
         for folder, mode in order:
-            result = pipes[folder].generate(question.text, GenerationConfig(**{**variant(mode), "max_new_tokens": tokens}))
+            config = GenerationConfig(**{**variant(mode), "max_new_tokens": tokens})
+            result = pipes[folder].generate(question.text, config)
             speed[(folder, mode)].append(result.stats.decode_tokens_per_second)
-            stats, count = result.stats, counts[(folder, mode)]
-            count[0] += stats.new_tokens
-            count[1] += stats.steps
-            count[2] += stats.drafted
-            count[3] += stats.draft_forwards
+            counts[(folder, mode)].update({k: getattr(result.stats, k) for k in COUNTED})
             out[(folder, mode, question.question_id)] = result.tokens
     for (folder, mode), values in speed.items():
         same = sum(out[(folder, mode, q.question_id)] == out[(folder, "ar", q.question_id)] for q in questions) \
             if "ar" in modes else "-"
+        count = counts[(folder, mode)]
         print(f"{folder:40s} {mode:6s} decode tok/s mean {statistics.mean(values):6.2f}  "
               f"per prompt {[round(v, 1) for v in values]}  same-as-ar {same}  tokens/step "
-              f"{counts[(folder, mode)][0] / max(1, counts[(folder, mode)][1]):.2f}  drafted {counts[(folder, mode)][2]}  "
-              f"draft forwards {counts[(folder, mode)][3]}")
+              f"{count['new_tokens'] / max(1, count['steps']):.2f}  drafted {count['drafted']}  "
+              f"draft forwards {count['draft_forwards']}")
     for pipe in pipes.values():
         pipe.close()
 

@@ -1,11 +1,11 @@
 """int4 layouts that `mirrorsd quantize` does not offer, for the quality command to score: symmetric or asymmetric
 (uint8 zero points) weights in blocks of 32, 64 or 128, each a copy of an fp32 export quantized by ONNX Runtime's
 round-to-nearest exactly as `mirrorsd quantize --target-precision int4` does, with only the block size and the
-symmetry changed. Nodes whose layout mirrorsd's kernel refuses (any block but 32, uint8 zero points) run on ONNX
-Runtime's own MatMulNBits kernel (devices/kernels/rewrite.py), so these copies are for quality and size, not speed.
+symmetry changed. mirrorsd's kernel refuses those layouts (any block but 32, uint8 zero points), so score them on
+ONNX Runtime's own MatMulNBits kernel (`--kernels ort`): these copies are for quality and size, not speed.
 
     python scripts/lab/quant_layouts.py FP32_EXPORT OUT_PARENT [sym32,asym32,sym64,asym64,sym128,asym128]
-    mirrorsd eval --reference FP32_EXPORT --model OUT_PARENT/sym32 --model OUT_PARENT/asym32 ...
+    mirrorsd eval --kernels ort --reference FP32_EXPORT --model OUT_PARENT/sym32 --model OUT_PARENT/asym32 ...
 """
 from __future__ import annotations
 
