@@ -102,6 +102,7 @@ class SessionSettings:
     kernels: str = "ort"  # ONNX Runtime CPU: "mirrorsd" runs devices/kernels' MatMulNBits (devices/kernel_choice.py)
     shared_pool: bool = False  # ONNX Runtime: the process's one spinning pool (devices/thread_pool.py)
     spin_in_run: bool = False  # ONNX Runtime, a pool of its own: SPINNING_POOL, else SLEEPING_POOL (see above)
+    fuse_attention: bool = False  # with mirrorsd's kernels: each layer's attention as one fused node, where it fits
 
 
 class BackendSession(Protocol):
@@ -140,7 +141,8 @@ class OrtSession:
         providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
         if provider == "DmlExecutionProvider":
             opts.enable_mem_pattern = False  # DirectML's documented requirement
-        self.kernels = "ort"
+        self.kernels, self.fused_attention = "ort", 0
+        model: str | bytes = str(path)
         if settings.kernels == "mirrorsd" and provider == "CPUExecutionProvider":
             from mirrorsd.devices import kernels
             from mirrorsd.devices.kernels.rewrite import imports_ort_domain
@@ -150,7 +152,26 @@ class OrtSession:
             if imports_ort_domain(path):
                 kernels.register(opts, replace=True)  # every com.microsoft MatMulNBits node runs mirrorsd's kernel
                 self.kernels = "mirrorsd"
-        self._open(lambda: ort.InferenceSession(str(path), opts, providers=providers), path)
+                if settings.fuse_attention:
+                    model = self._fused(path, opts)
+        self._open(lambda: ort.InferenceSession(model, opts, providers=providers), path)
+
+    def _fused(self, path: Path, opts) -> str | bytes:
+        """The graph's bytes with each layer's attention one mirrorsd.kern::GroupedAttention node, or its path
+        when its attention does not have the shape the rewrite knows (devices/kernels/attention_rewrite.py)."""
+        from mirrorsd.devices.kernels import external_data_config
+        from mirrorsd.devices.kernels.attention_rewrite import fuse_attention
+        from mirrorsd.onnx_wire import MalformedProtobuf
+
+        try:
+            data, self.fused_attention = fuse_attention(path.read_bytes())
+        except MalformedProtobuf:
+            return str(path)  # opening the file says what is wrong with it
+        if not self.fused_attention:
+            return str(path)
+        for key, value in external_data_config(path).items():
+            opts.add_session_config_entry(key, value)
+        return data
 
     @staticmethod
     def _options(settings: SessionSettings):

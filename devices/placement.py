@@ -44,6 +44,7 @@ SYNTAX = "auto, cpu, cuda, dml, openvino:CPU|GPU|NPU, ort-openvino:CPU|GPU|NPU"
 FIXED_SHAPE_KINDS = ("NPU",)  # devices that compile static shapes only
 log = logging.getLogger("mirrorsd.devices")
 
+FUSED_ATTENTION_MARK = "[fused attention]"  # in describe(), so a profile measured without it is not reused
 KERNELS_MARK = "[mirrorsd kernels]"  # in describe(): the profile cache keys on it (runtime/planner/profile.py)
 SHARED_POOL_MARK = " [shared pool]"  # in describe(); the profile cache does not key on it (a split of its own)
 # in describe(): workers that spin (a pool of its own within a run, or the shared pool); the profile cache keys on it,
@@ -86,6 +87,9 @@ class DeviceRequest:
     target_openvino: OpenVINOTuning = OpenVINOTuning(attention="fused", stateful=True, kv_precision="f16")
     draft_openvino: OpenVINOTuning = OpenVINOTuning(attention="as-exported")
     kernels: str = AUTO  # MatMulNBits on ONNX Runtime CPU: auto | mirrorsd | ort (devices/kernel_choice.py)
+    # Where mirrorsd's kernels run the draft (ONNX Runtime CPU), each layer's attention runs as one fused node
+    # (devices/kernels/attention_rewrite.py) instead of the graph's ~30 small ones; False keeps the graph's nodes
+    fused_draft_attention: bool = True
     # Mode auto: take the placement (of the models left on auto) and the thread split (when no threads are given)
     # that the cached profiles predict fastest (runtime/planner/placement.py, runtime/planner/threads.py)
     plan_from_profile: bool = False
@@ -343,10 +347,12 @@ class Placement:
     device: str = ""  # the device string it was placed on ("cpu", "openvino:CPU", ...): what reopens it there
     shared_pool: bool = False  # an ONNX Runtime session on the process's shared thread pool
     spinning_pool: bool = False  # an ONNX Runtime CPU session whose workers spin (its own pool within a run, or shared)
+    fused_attention: int = 0  # layers whose attention runs as mirrorsd's fused node (devices/kernels/attention_rewrite)
 
     def describe(self) -> str:
         shapes = " [static shapes]" if self.static else ""
         kernels = f" {KERNELS_MARK}" if self.kernels == "mirrorsd" else ""
+        kernels += f" {FUSED_ATTENTION_MARK}" if self.fused_attention else ""
         kernels += SHARED_POOL_MARK if self.shared_pool else ""
         kernels += SPINNING_POOL_MARK if self.spinning_pool else ""
         note = f" (fell back: {self.reason})" if self.fell_back else ""
@@ -378,7 +384,8 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
     spinning = spins(request, on_ort_cpu, shared)
     settings = SessionSettings(choice.device, threads, "f32", fixed_shapes=decision.static and
                                choice.backend == "openvino", openvino=tuning, kv_pairs=kv_pairs(kv), kernels=kernels,
-                               shared_pool=shared, spin_in_run=spinning and not shared)
+                               shared_pool=shared, spin_in_run=spinning and not shared,
+                               fuse_attention=model == "draft" and request.fused_draft_attention)
     session = BACKENDS[choice.backend](path, settings)
     fell_back, reason = decision.fell_back, decision.reason
     lost = _lost_device(choice, session.effective)
@@ -389,7 +396,8 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
         fell_back, reason = True, "; ".join(r for r in (reason, lost) if r)
         warnings.warn(f"{model}: {lost}", DeviceFallbackWarning, stacklevel=2)
     return session, Placement(model, decision.requested, session.effective, choice.backend, fell_back, reason,
-                              decision.static, getattr(session, "kernels", "ort"), choice.label, shared, spinning)
+                              decision.static, getattr(session, "kernels", "ort"), choice.label, shared, spinning,
+                              getattr(session, "fused_attention", 0))
 
 
 def spins(request: DeviceRequest, on_ort_cpu: bool, shared: bool) -> bool:
