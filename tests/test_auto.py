@@ -462,3 +462,41 @@ def test_a_cached_profile_that_contradicts_itself_is_measured_again(random_draft
     with Pipeline.load(random_draft, DeviceRequest(target_threads=1, draft_threads=1)) as pipe:
         costs = pipe.profile().split(1, 1)
     assert costs.verify_s[0] != 0.020 and costs.verify_s[1:] != busy.verify_s[1:], costs
+
+
+def test_tempered_alpha_accepts_the_given_fraction_of_the_tokens():
+    """Plain sd's alpha, tempered by the shortfall a stop measured: a window of the same gamma accepts that
+    fraction of the tokens it did; factor 1 (or more) leaves it."""
+    from mirrorsd.runtime.planner.auto import tempered_alpha
+    from mirrorsd.runtime.planner.latency import expected_tokens
+
+    for alpha, factor, gamma in ((0.82, 0.6, 6), (0.5, 0.25, 4), (0.9, 0.9, 1)):
+        tempered = tempered_alpha(alpha, factor, gamma)
+        assert tempered < alpha
+        assert expected_tokens(tempered, gamma) - 1 == pytest.approx(factor * (expected_tokens(alpha, gamma) - 1),
+                                                                     abs=1e-6)
+    assert tempered_alpha(0.7, 1.0, 4) == 0.7 and tempered_alpha(0.7, 1.5, 4) == 0.7
+
+
+def test_auto_tempers_what_it_cannot_measure_by_what_its_stop_measured():
+    """Running sd with a stop at 0.8 on text the draft knows less well than the calibration: the stop at 0.5
+    (which those windows cannot replay) and plain sd's alpha are scaled down by the same shortfall, so the
+    stops auto has not run no longer look faster only because they are still the calibration's."""
+    from mirrorsd.runtime.planner.latency import Acceptance, expected_tokens
+    from mirrorsd.runtime.planner.stops import StopCounts, stop_at
+
+    prior_stops = tuple(StopCounts(g, t, 100 + 200, (0,) * g + (100,)) for g in range(1, 7)
+                        for t in (0.5, 0.7, 0.8, 0.9))  # 2 accepted per step everywhere
+    prior = Acceptance(0.82, 0.3, source="calibration", stops=prior_stops)
+    proposer = AutoProposer(lambda s: None, split_costs(2, 2, 0.06, 0.02), prior, max_gamma=6)
+    for _ in range(20):  # windows at (6, 0.8): the draft's second pick falls below 0.8; the target accepts 1 of 2
+        proposer.stops.record([0.95, 0.6], 1, 6, 0.8)
+    acceptance = proposer.acceptance()
+    measured = stop_at(acceptance.stops, 6, 0.8)
+    assert measured.tokens == 40 and measured.steps == 20  # this text's own counts: 1 accepted per step
+    unmeasured = stop_at(acceptance.stops, 6, 0.5)
+    assert unmeasured.lengths == (0,) * 6 + (100,) and unmeasured.tokens == 100 + 100  # 2 -> 1 per step, as 0.8's
+    assert acceptance.alpha < 0.82
+    gamma = max(proposer.strategy.gamma, 1)
+    assert expected_tokens(acceptance.alpha, gamma) - 1 == pytest.approx(0.5 * (expected_tokens(0.82, gamma) - 1),
+                                                                         abs=1e-6)

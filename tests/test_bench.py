@@ -30,7 +30,8 @@ def test_bench_reports_every_mode_and_checks_parity(tmp_path, exported, monkeypa
     assert all(r.parity == "identical" for r in result.runs if r.mode != "ar")
     assert all(r.stats["auto"]["chosen"] for r in result.runs if r.mode == "auto")  # what auto ran, and why
     assert "0 run(s) of mirrorsd's modes differ" in table
-    assert result.ceilings and all(c.bandwidth_gb_s > 0 and c.tokens_per_second > 0 for c in result.ceilings)
+    assert result.ceilings and all(c.bandwidth_gb_s > 0 and c.tokens_per_second > 0 and c.read_gb_s > 0
+                                   for c in result.ceilings)
     assert "Bandwidth ceiling" in table and "| ar |" in table.split("Bandwidth ceiling")[1]
     checked = {r.mode: r for r in result.latency}  # auto ran, so its profile checks the fixed modes' predictions
     assert set(checked) == {"ar", "sd", "mirror", "mirror-noexit"}, checked

@@ -257,3 +257,21 @@ def test_prefer_and_add_by_hand():
     # (2, 0.5) has 4 windows online: the prior's stays; (2, 0.7) and (3, 0.7) have 9: this generation's
     assert prefer(online, prior) == (prior[0], online[1], online[2])
     assert add(prior, online) == (StopCounts(2, 0.5, 35, (0, 13, 11)), StopCounts(2, 0.7, 36, (0, 16, 5)), online[2])
+
+
+def test_prefer_scales_the_stops_a_generation_could_not_measure_by_its_shortfall():
+    """A text that accepts less than the calibration at the stop it runs (0.8) makes the prior's lower stops (0.5,
+    which it cannot measure) expect less too, by the same ratio: otherwise they stay the calibration's and look
+    faster only because nothing has checked them. A text that accepts more leaves the prior as it is."""
+    from mirrorsd.runtime.planner.stops import StopCounts, optimism, prefer
+
+    prior = (StopCounts(4, 0.5, 300, (0, 20, 20, 20, 40)),  # 200 accepted over 100 steps: 2.0 per step
+             StopCounts(4, 0.8, 250, (0, 40, 30, 20, 10)))  # 150 over 100: 1.5 per step
+    online = (StopCounts(4, 0.8, 30, (0, 10, 5, 3, 2)),)  # 10 accepted over 20 steps: 0.5 per step, a third of 1.5
+    assert optimism(online, prior) == 1 / 3
+    chosen = {c.threshold: c for c in prefer(online, prior)}
+    assert chosen[0.8] == online[0]
+    assert chosen[0.5] == StopCounts(4, 0.5, 100 + round(200 / 3), prior[0].lengths)  # 0.67 per step, same windows
+    better = (StopCounts(4, 0.8, 80, (0, 10, 5, 3, 2)),)  # 3.0 per step: above the prior's, which is kept
+    assert optimism(better, prior) == 2.0 and {c.threshold: c for c in prefer(better, prior)}[0.5] == prior[0]
+    assert optimism((), prior) == 1.0 and prefer((), prior) == prior

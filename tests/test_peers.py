@@ -143,7 +143,7 @@ def _result(tmp_path) -> BenchResult:
     """A bench result as run_bench builds it: ar, a speculative mode of ours and three peers on two prompts."""
     result = BenchResult(BenchOptions(model=tmp_path), machine={"cpu": "Example Xeon", "cpu_flags": "avx2 amx_int8",
                                                                 "cpus": 2},
-                         ceilings=[Ceiling(1, 10.0, 1.0, 10.0), Ceiling(2, 15.0, 1.0, 15.0)])
+                         ceilings=[Ceiling(1, 10.0, 1.0, 10.0, 7.0), Ceiling(2, 15.0, 1.0, 15.0, 11.0)])
     for qid, category in ((0, "coding"), (1, "qa")):
         ar = peer_stats("llama-ar", 5, [1, 2, 3, 4], EOS, 2.0, ttft=0.5)
         result.runs.append(PromptRun(qid, category, "ar", [1, 2, 3, 4], {**ar, "mode": "ar"}))
@@ -167,8 +167,26 @@ def test_report_has_end_to_end_and_decode_columns_and_the_machine(tmp_path):
     line = machine_line(_result(tmp_path))
     assert "Example Xeon" in line and "avx2 amx_int8" in line
     assert "10.0 GB/s with 1 thread" in line and "15.0 GB/s with 2" in line and line in table
+    assert "read-only stream 7.0 GB/s with 1 thread, 11.0 GB/s with 2" in line
     assert "- llama-sd = llama-ar (its own target-only output) on 2/2 prompts" in table
     assert "- ov-user-ar: inference_precision bf16" in table and "- llama-ar: target_gguf t.gguf" in table
+
+
+def test_ceiling_table_reads_ar_against_both_bandwidths(tmp_path):
+    """ar's decode speed is set against the copy ceiling and the read-only ceiling of its own thread count."""
+    result = _result(tmp_path)
+    table = markdown(result, "mirrorsd bench ...").split("Bandwidth ceiling")[1]
+    row = next(line for line in table.splitlines() if "| ar |" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    ceiling = next(c for c in result.ceilings if c.threads == int(cells[0]))
+    decode = float(cells[6])
+    assert float(cells[3]) == ceiling.read_gb_s and float(cells[4]) == ceiling.read_tokens_per_second
+    assert float(cells[7]) == round(decode / ceiling.tokens_per_second, 2)
+    assert float(cells[8]) == round(decode / ceiling.read_tokens_per_second, 2)
+    result.ceilings = [Ceiling(c.threads, c.bandwidth_gb_s, c.weight_gb_per_token, c.tokens_per_second)
+                       for c in result.ceilings]  # no read-only probe: its cells say so
+    row = next(line for line in markdown(result, "x").split("Bandwidth ceiling")[1].splitlines() if "| ar |" in line)
+    assert row.count("| - |") >= 1 and row.rstrip().endswith("| - |")
 
 
 def test_machine_line_without_a_bandwidth_probe(tmp_path):

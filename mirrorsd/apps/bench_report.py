@@ -103,39 +103,48 @@ def _lookup_lines(result: BenchResult, categories: list[str]) -> list[str]:
 
 
 def machine_line(result: BenchResult) -> str:
-    """The CPU, the flags that decide its kernels and its copy bandwidth with 1 and with all threads, in one line
-    beside the table (numbers only compare between machines with these in view)."""
+    """The CPU, the flags that decide its kernels and its copy and read-only bandwidth with 1 and with all threads,
+    in one line beside the table (numbers only compare between machines with these in view)."""
     cpu = result.machine.get("cpu", "unknown CPU")
     flags = result.machine.get("cpu_flags", "?")
-    by_threads = {c.threads: c.bandwidth_gb_s for c in result.ceilings}
+    by_threads = {c.threads: c for c in result.ceilings}
     if by_threads:
-        most = max(by_threads)
-        bandwidth = (f"copy bandwidth {by_threads.get(1, float('nan')):.1f} GB/s with 1 thread, "
-                     f"{by_threads[most]:.1f} GB/s with {most}")
+        one, most = by_threads.get(1), max(by_threads)
+        bandwidth = (f"copy bandwidth {one.bandwidth_gb_s if one else float('nan'):.1f} GB/s with 1 thread, "
+                     f"{by_threads[most].bandwidth_gb_s:.1f} GB/s with {most}")
+        if by_threads[most].read_gb_s:
+            bandwidth += (f"; read-only stream {one.read_gb_s if one else float('nan'):.1f} GB/s with 1 thread, "
+                          f"{by_threads[most].read_gb_s:.1f} GB/s with {most}")
     else:
         bandwidth = "copy bandwidth not measured in this run"
     return f"CPU: {cpu}; {result.machine.get('cpus', '?')} cores; flags: {flags}; {bandwidth}"
 
 
 def _ceiling_lines(result: BenchResult, rows: list[dict]) -> list[str]:
-    """ar's decode speed against weight bytes ÷ measured bandwidth (see mirrorsd.apps.bandwidth)."""
+    """ar's decode speed against weight bytes ÷ measured bandwidth, copy and read-only (see mirrorsd.apps.bandwidth)."""
     if not result.ceilings:
         return []
     first = result.ceilings[0]
     lines = ["", f"Bandwidth ceiling (measured in this run; target weights read per decode step "
-                 f"{first.weight_gb_per_token:.2f} GB):", "",
-             "| threads | copy bandwidth GB/s | ceiling tok/s | ar mode at that thread count | its decode tok/s | "
-             "fraction of ceiling |", "|---|---|---|---|---|---|"]
+                 f"{first.weight_gb_per_token:.2f} GB; a copy counts bytes read + written, the read-only stream "
+                 "bytes read, which is what a step does to its weights):", "",
+             "| threads | copy bandwidth GB/s | ceiling tok/s | read-only GB/s | read ceiling tok/s | "
+             "ar mode at that thread count | its decode tok/s | fraction of ceiling | fraction of read ceiling |",
+             "|---|---|---|---|---|---|---|---|---|"]
     threads = own_threads(result.options)
     for ceiling in result.ceilings:
         mode = "ar" if ceiling.threads == threads else f"ar-{ceiling.threads}t"
         runs = [r for r in result.runs if r.mode == mode]
+        read = ceiling.read_tokens_per_second
         if runs:
             decode = statistics.mean(r.stats["decode_tokens_per_second"] for r in runs)
-            tail = f"{mode} | {decode:.2f} | {decode / ceiling.tokens_per_second:.2f}"
+            of_read = f"{decode / read:.2f}" if read else "-"
+            tail = f"{mode} | {decode:.2f} | {decode / ceiling.tokens_per_second:.2f} | {of_read}"
         else:
-            tail = "- | - | -"
-        lines.append(f"| {ceiling.threads} | {ceiling.bandwidth_gb_s:.1f} | {ceiling.tokens_per_second:.2f} | {tail} |")
+            tail = "- | - | - | -"
+        read_cells = f"{ceiling.read_gb_s:.1f} | {read:.2f}" if read else "- | -"
+        lines.append(f"| {ceiling.threads} | {ceiling.bandwidth_gb_s:.1f} | {ceiling.tokens_per_second:.2f} | "
+                     f"{read_cells} | {tail} |")
     return lines
 
 

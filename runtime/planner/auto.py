@@ -39,9 +39,10 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mirrorsd.runtime.planner.ar_probe import PROBE_STEPS, ArProbe, leave_ar, speculation_can_pay
-from mirrorsd.runtime.planner.latency import MODES, Acceptance, Prediction, SplitCosts, Strategy, Table, rank
+from mirrorsd.runtime.planner.latency import (MODES, Acceptance, Prediction, SplitCosts, Strategy, Table,
+                                              alpha_from_mean_accepted, expected_tokens, rank)
 from mirrorsd.runtime.planner.lookup import LookupCounts, LookupReplay
-from mirrorsd.runtime.planner.stops import StopReplay, add, prefer
+from mirrorsd.runtime.planner.stops import MIN_STOP_STEPS, StopReplay, add, optimism, prefer
 from mirrorsd.runtime.rollout import Window
 from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.verify import Verdict
@@ -101,6 +102,13 @@ def blend(old: Acceptance, new: Acceptance, weight: float = 0.5) -> Acceptance:
 
     return Acceptance(mix(old.alpha, new.alpha), mix(old.reuse, new.reuse), mix(old.reuse_noexit, new.reuse_noexit),
                       "calibration + online", stops=stops)
+
+
+def tempered_alpha(alpha: float, factor: float, gamma: int) -> float:
+    """The alpha whose window of ``gamma`` accepts ``factor`` times the tokens ``alpha``'s does (factor 1: alpha)."""
+    if factor >= 1.0:
+        return alpha
+    return alpha_from_mean_accepted(1.0 + factor * (expected_tokens(alpha, gamma) - 1.0), gamma)
 
 
 def running_weight(generations: int, calibration_prompts: int) -> float:
@@ -307,9 +315,15 @@ class AutoProposer:
             self.step_factor[self.strategy] = max(1.0, measured_step_s / predicted)
 
     def acceptance(self) -> Acceptance:
-        """What this generation measured so far (online.acceptance), with its ngram replay."""
-        return replace(self.online.acceptance(self.prior), lookup=self.replay.all_counts(),
-                       stops=prefer(self.stops.counts(), self.prior.stops))
+        """What this generation measured so far (online.acceptance), with its ngram replay. While it runs a stop,
+        it measures no alpha (online.record): plain sd's alpha is then the prior's, tempered by the shortfall its
+        stops measured against the prior's (tempered_alpha), as the stops it cannot measure are (stops.prefer)."""
+        known = self.online.acceptance(self.prior)
+        measured = tuple(c for c in self.stops.counts() if c.steps >= MIN_STOP_STEPS)
+        if self.online.steps < MIN_ONLINE_STEPS:
+            factor = min(optimism(measured, self.prior.stops), 1.0)
+            known = replace(known, alpha=tempered_alpha(known.alpha, factor, max(self.strategy.gamma, 1)))
+        return replace(known, lookup=self.replay.all_counts(), stops=prefer(self.stops.counts(), self.prior.stops))
 
     def _take_lookup(self, measured: float, recent: tuple[LookupCounts, ...] = ()) -> None:
         """Switch to ngram when its replay on this text predicts it LOOKUP_MARGIN faster than what runs now (both

@@ -6,8 +6,9 @@
 Prefills random token ids up to each context length (growing one cache), then times a forward of W new tokens at
 that length (median of --repeats; the cache is truncated back after each), for every W. Prints ms per forward, the
 cost of W rows in one-row steps (the verification cost of a window of gamma + 1 = W), and the KV bytes a step reads.
-Then the bandwidth ceiling of one step (the target's weight bytes / the copy bandwidth measured now, with --threads
-threads: mirrorsd.apps.bandwidth) and each context's one-row step as a fraction of it (ceiling ms / W=1 ms). The kernel
+Then the bandwidth ceilings of one step (the target's weight bytes / the copy bandwidth, and / the read-only stream's
+bandwidth, measured now with --threads threads: mirrorsd.apps.bandwidth) and each context's one-row step as a fraction
+of each (ceiling ms / W=1 ms). The kernel
 path is the one the library picks, or the one MIRRORSD_KERNELS_ISA names.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 import numpy as np
 
-from mirrorsd.apps.bandwidth import copy_bandwidth, target_weight_bytes
+from mirrorsd.apps.bandwidth import copy_bandwidth, read_bandwidth, target_weight_bytes
 from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import Pipeline
 from mirrorsd.runtime.models import TargetModel
@@ -69,12 +70,11 @@ def main() -> None:
                   f"{kv_per_slot * context / 1e6:.0f} MB |", flush=True)
             one_row[context] = ms[widths[0]]
         weights = target_weight_bytes(args.folder, pipe.manifest)
-    bandwidth = copy_bandwidth(args.threads)
-    ceiling_ms = weights / (bandwidth * 1e9) * 1e3
-    print(f"ceiling: {weights / 1e9:.2f} GB of weights per step / {bandwidth:.1f} GB/s copy bandwidth "
-          f"({args.threads} thread(s)) = {ceiling_ms:.1f} ms per step")
-    print("; ".join(f"context {c}: W={widths[0]} step at {ceiling_ms / ms:.2f} of the ceiling"
-                    for c, ms in one_row.items()))
+    for name, bandwidth in (("copy", copy_bandwidth(args.threads)), ("read-only", read_bandwidth(args.threads))):
+        ceiling_ms = weights / (bandwidth * 1e9) * 1e3
+        print(f"{name} ceiling: {weights / 1e9:.2f} GB of weights per step / {bandwidth:.1f} GB/s {name} bandwidth "
+              f"({args.threads} thread(s)) = {ceiling_ms:.1f} ms per step; "
+              + "; ".join(f"context {c}: W={widths[0]} step at {ceiling_ms / ms:.2f} of it" for c, ms in one_row.items()))
 
 
 def _picked_path() -> str:
