@@ -42,7 +42,7 @@ from mirrorsd.runtime.planner.ar_probe import PROBE_STEPS, ArProbe, leave_ar, sp
 from mirrorsd.runtime.planner.latency import (MODES, Acceptance, Prediction, SplitCosts, Strategy, Table,
                                               alpha_from_mean_accepted, expected_tokens, rank)
 from mirrorsd.runtime.planner.lookup import LookupCounts, LookupReplay
-from mirrorsd.runtime.planner.stops import MIN_STOP_STEPS, StopReplay, add, optimism, prefer
+from mirrorsd.runtime.planner.stops import StopReplay, add, prefer, shortfall
 from mirrorsd.runtime.rollout import Window
 from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.verify import Verdict
@@ -318,12 +318,11 @@ class AutoProposer:
         """What this generation measured so far (online.acceptance), with its ngram replay. While it runs a stop,
         it measures no alpha (online.record): plain sd's alpha is then the prior's, tempered by the shortfall its
         stops measured against the prior's (tempered_alpha), as the stops it cannot measure are (stops.prefer)."""
-        known = self.online.acceptance(self.prior)
-        measured = tuple(c for c in self.stops.counts() if c.steps >= MIN_STOP_STEPS)
+        known, stops = self.online.acceptance(self.prior), self.stops.counts()
         if self.online.steps < MIN_ONLINE_STEPS:
-            factor = min(optimism(measured, self.prior.stops), 1.0)
+            factor = shortfall(stops, self.prior.stops)
             known = replace(known, alpha=tempered_alpha(known.alpha, factor, max(self.strategy.gamma, 1)))
-        return replace(known, lookup=self.replay.all_counts(), stops=prefer(self.stops.counts(), self.prior.stops))
+        return replace(known, lookup=self.replay.all_counts(), stops=prefer(stops, self.prior.stops))
 
     def _take_lookup(self, measured: float, recent: tuple[LookupCounts, ...] = ()) -> None:
         """Switch to ngram when its replay on this text predicts it LOOKUP_MARGIN faster than what runs now (both

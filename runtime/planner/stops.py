@@ -86,17 +86,21 @@ def stop_at(counts: tuple[StopCounts, ...], gamma: int, threshold: float) -> Sto
 
 def prefer(online: tuple[StopCounts, ...], prior: tuple[StopCounts, ...]) -> tuple[StopCounts, ...]:
     """Per (gamma, threshold): this generation's counts where they hold MIN_STOP_STEPS windows, else the prior's,
-    with its accepted tokens scaled by how much less this text accepts than the prior on the stops measured both
-    ways (optimism(); never scaled up). A generation only measures the stops at or above its own threshold and
-    window: left at the calibration's counts, the ones it cannot measure keep the calibration's acceptance while
-    the measured ones show this text's, so on text the draft knows less well than the calibration prompts auto
-    walked from stop to stop toward the ones it had never run (0.8 -> 0.7 -> 0.5 in one 128-token answer, each
-    predicted ~30 % too fast), as it would through untried gammas without auto.corrected's rule for step times."""
-    measured = {(c.gamma, c.threshold): c for c in online if c.steps >= MIN_STOP_STEPS}
-    factor = min(optimism(tuple(measured.values()), prior), 1.0)
+    with its accepted tokens scaled by shortfall(). A generation only measures the stops at or above its own
+    threshold and window: left at the calibration's counts, the ones it cannot measure would keep the calibration's
+    acceptance while the measured ones show this text's, and auto would walk toward the stops it had never run
+    because only they still looked fast (as it would through untried gammas without auto.corrected's rule for step
+    times; lab-notes/performance-log.md, 2026-12-06)."""
+    factor = shortfall(online, prior)
     chosen = {(c.gamma, c.threshold): scaled(c, factor) for c in prior}
-    chosen.update(measured)
+    chosen.update({(c.gamma, c.threshold): c for c in online if c.steps >= MIN_STOP_STEPS})
     return tuple(chosen.values())
+
+
+def shortfall(online: tuple[StopCounts, ...], prior: tuple[StopCounts, ...]) -> float:
+    """optimism() of ``online``'s counts that hold MIN_STOP_STEPS windows against ``prior``, never above 1: how
+    much less this text accepts than the prior, on the stops measured both ways (1.0: no less, or nothing known)."""
+    return min(optimism(tuple(c for c in online if c.steps >= MIN_STOP_STEPS), prior), 1.0)
 
 
 def optimism(measured: tuple[StopCounts, ...], prior: tuple[StopCounts, ...]) -> float:
