@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from mirrorsd.devices.heap import HeapTrimmer
+from mirrorsd.devices.heap import HeapTrimmer, trim_heap
 from mirrorsd.errors import DeviceError, GraphFileError
 
 
@@ -128,6 +128,45 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
+def _release_model_bytes(session) -> bool:
+    """A session made from bytes (unpacked weights, a fused attention) keeps them in ``_model_bytes`` only to rebuild
+    itself on a provider fallback, which mirrorsd never asks for: hundreds of MB held for nothing. Let them go."""
+    if getattr(session, "_model_bytes", None) is None:
+        return False
+    session.disable_fallback()
+    session._model_bytes = None
+    return True
+
+
+def _read_openvino(core, path: Path):
+    """``core.read_model`` of the graph file, or of its bytes with packed weights unpacked (devices/unpack.py:
+    OpenVINO's MatMulNBits reader needs constant zero points, so it cannot read the packed graph itself)."""
+    from mirrorsd.devices.unpack import unpacked_bytes
+    from mirrorsd.runtime.graph_files import external_locations
+
+    data = unpacked_bytes(path)
+    if data is None:
+        return core.read_model(str(path))
+    if external_locations(path):
+        raise GraphFileError(f"OpenVINO cannot read the packed weights of '{path.name}'",
+                             "its other weights are in external data files, which OpenVINO finds only when it "
+                             "reads the graph from its file", "export with --weight-storage plain for OpenVINO")
+    return core.read_model(data)
+
+
+def _unpacked(path: Path, opts) -> bytes | None:
+    """The graph's bytes with its packed weights unpacked (devices/unpack.py), with ``opts`` told where its external
+    data is; None for a graph without packed weights (open the file)."""
+    from mirrorsd.devices.kernels import external_data_config
+    from mirrorsd.devices.unpack import unpacked_bytes
+
+    data = unpacked_bytes(path)
+    if data is not None:
+        for key, value in external_data_config(path).items():
+            opts.add_session_config_entry(key, value)
+    return data
+
+
 class OrtSession:
     """An ONNX Runtime InferenceSession on one built-in execution provider."""
 
@@ -142,7 +181,8 @@ class OrtSession:
         if provider == "DmlExecutionProvider":
             opts.enable_mem_pattern = False  # DirectML's documented requirement
         self.kernels, self.fused_attention = "ort", 0
-        model: str | bytes = str(path)
+        unpacked = _unpacked(path, opts)
+        model: str | bytes = str(path) if unpacked is None else unpacked
         if settings.kernels == "mirrorsd" and provider == "CPUExecutionProvider":
             from mirrorsd.devices import kernels
             from mirrorsd.devices.kernels.rewrite import imports_ort_domain
@@ -153,24 +193,27 @@ class OrtSession:
                 kernels.register(opts, replace=True)  # every com.microsoft MatMulNBits node runs mirrorsd's kernel
                 self.kernels = "mirrorsd"
                 if settings.fuse_attention:
-                    model = self._fused(path, opts)
+                    model = self._fused(path, opts, unpacked)
         self._open(lambda: ort.InferenceSession(model, opts, providers=providers), path)
 
-    def _fused(self, path: Path, opts) -> str | bytes:
-        """The graph's bytes with each layer's attention one mirrorsd.kern::GroupedAttention node, or its path
-        when its attention does not have the shape the rewrite knows (devices/kernels/attention_rewrite.py)."""
+    def _fused(self, path: Path, opts, unpacked: bytes | None = None) -> str | bytes:
+        """The graph's bytes (``unpacked``, or the file's) with each layer's attention one
+        mirrorsd.kern::GroupedAttention node, or the graph unchanged when its attention does not have the shape the
+        rewrite knows (devices/kernels/attention_rewrite.py)."""
         from mirrorsd.devices.kernels import external_data_config
         from mirrorsd.devices.kernels.attention_rewrite import fuse_attention
         from mirrorsd.onnx_wire import MalformedProtobuf
 
+        unchanged = str(path) if unpacked is None else unpacked
         try:
-            data, self.fused_attention = fuse_attention(path.read_bytes())
+            data, self.fused_attention = fuse_attention(path.read_bytes() if unpacked is None else unpacked)
         except MalformedProtobuf:
-            return str(path)  # opening the file says what is wrong with it
+            return unchanged  # opening the file says what is wrong with it
         if not self.fused_attention:
-            return str(path)
-        for key, value in external_data_config(path).items():
-            opts.add_session_config_entry(key, value)
+            return unchanged
+        if unpacked is None:  # (unpacked bytes had their external-data folder set already)
+            for key, value in external_data_config(path).items():
+                opts.add_session_config_entry(key, value)
         return data
 
     @staticmethod
@@ -203,6 +246,8 @@ class OrtSession:
                                      "it with mirrorsd-export (blocks of 32, no uint8 zero points)") from exc
             raise GraphFileError(f"ONNX Runtime could not load '{path.name}'", _first_line(exc),
                                  "the file may be truncated or damaged: re-export the folder") from exc
+        if _release_model_bytes(self.session):
+            trim_heap()  # the bytes, and the unpacking's temporaries, back to the system
         self.effective = self.session.get_providers()[0]
         self._outputs = [o.name for o in self.session.get_outputs()]
 
@@ -239,7 +284,8 @@ class OrtPluginSession(OrtSession):
         if settings.precision == "f32" and kind in ("CPU", "GPU"):
             provider_options["load_config"] = json.dumps({kind: {"INFERENCE_PRECISION_HINT": "f32"}})
         opts.add_provider_for_devices(devices[:1], provider_options)
-        self._open(lambda: ort.InferenceSession(str(path), opts), path)
+        unpacked = _unpacked(path, opts)
+        self._open(lambda: ort.InferenceSession(str(path) if unpacked is None else unpacked, opts), path)
         if self.effective == PLUGIN_EP:
             self.effective = f"{PLUGIN_EP}:{kind}"
 
@@ -273,7 +319,9 @@ class OpenVINOSession:
         self.path, self.settings = path, settings
         self.core = ov.Core()
         try:
-            self.model = self.core.read_model(str(path))
+            self.model = _read_openvino(self.core, path)
+        except GraphFileError:
+            raise
         except Exception as exc:  # noqa: BLE001 - OpenVINO raises RuntimeError with the parser's message
             raise GraphFileError(f"OpenVINO could not read '{path.name}'", _first_line(exc),
                                  "the file may be truncated or damaged: re-export the folder") from exc
@@ -304,7 +352,7 @@ class OpenVINOSession:
 
         warnings.warn(f"{self.path.name}: OpenVINO did not fuse every attention with its cache; using the exact "
                       "softmax instead (slower, still exact)", RuntimeWarning, stacklevel=3)
-        self.model = self.core.read_model(str(self.path))
+        self.model = _read_openvino(self.core, self.path)
         exact = dataclasses.replace(self.settings.openvino, attention="exact-softmax")
         self.rewrites = self._rewrite(self.model, exact)
         self._variants[()] = self._compile(self.model)

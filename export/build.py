@@ -39,6 +39,7 @@ class ModelJob:
     whole_graphs: bool  # trace every graph whole, as before layer streaming
     gguf_blocks: str = "exact"  # a GGUF source's blocks: carried where they map exactly (gguf_blocks.py)
     embedding: str = "quantized"  # a quantized model's token embedding: quantized | float (embedding.py)
+    weight_storage: str = "plain"  # carried GGUF weights on disk: plain | packed (packed_weights.py)
 
 
 def run_job(job: ModelJob, scratch: Path, state: ResumeState, progress: Callable[[str], None],
@@ -49,7 +50,7 @@ def run_job(job: ModelJob, scratch: Path, state: ResumeState, progress: Callable
     chained = {m.ROLE for m in job.modules if _quantized_while_written(m, builds[m.ROLE], job)}
     results = state.validated.get(job.model) if not todo else None
     pieces = Pieces(job, builds, progress)
-    blocks = block_plan(job.source, job.precision, job.gguf_blocks)
+    blocks = block_plan(job.source, job.precision, job.gguf_blocks, job.weight_storage)
     embedding = EmbeddingPlan(job.embedding, blocks)
     for module in todo:
         _write(module, builds[module.ROLE], pieces, job, scratch, progress, on_layer, blocks, embedding)

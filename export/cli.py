@@ -92,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
               help="the same for the draft alone (default: --gguf-blocks), e.g. --gguf-blocks widen "
                    "--draft-gguf-blocks exact: a target near the file's quality beside a small, fast draft (the "
                    "target checks every draft token, so the draft's precision changes speed, never the output)")
+    flags.add(prec, E, "weight_storage", choices=("plain", "packed"),
+              help="how weights carried from a .gguf source are stored: plain writes MatMulNBits' float32 scales "
+                   "(and Q4_K's float32 zero points: 6 bits per Q4_K weight); packed writes the file's own bytes "
+                   "(Q4_K: 4.5 bits; a Q6_K widened to 8 bits: 6.56 instead of 9) plus standard ONNX operators "
+                   "that rebuild the same scales when a graph is loaded: bit for bit the same results and the "
+                   "same memory at run time, a folder the size of the .gguf. mirrorsd unpacks them itself "
+                   "(numpy, for ONNX Runtime and OpenVINO alike); another host lets ONNX Runtime fold them, which "
+                   "takes more memory while loading (docs/quality.md)")
+    flags.add(prec, E, "draft_weight_storage", choices=("plain", "packed"),
+              help="the same for the draft alone (default: --weight-storage)")
     flags.add(prec, E, "embedding", choices=("quantized", "float"),
               help="the token embedding of an int8/int4 model: quantized stores it as the .gguf source's own blocks "
                    "where they reproduce the file's values exactly (Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0; a Q4_K_M "

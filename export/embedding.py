@@ -74,6 +74,7 @@ class QuantizedTable:
     values: np.ndarray
     scales: np.ndarray
     offsets: np.ndarray | None = None
+    stored: object = None  # packed_weights.PackedQ4K: Q4_K's scale bytes, stored instead of scales and offsets
 
     @property
     def per_scale(self) -> int:
@@ -109,9 +110,10 @@ def int8_table(weight: np.ndarray) -> QuantizedTable:
     return QuantizedTable("int8", codes.reshape(v, h), byte_values(128, False), scales)
 
 
-def gguf_table(reader, stored: str) -> QuantizedTable | None:
+def gguf_table(reader, stored: str, keep_blocks: bool = False) -> QuantizedTable | None:
     """Tensor ``stored`` of a GGUF reader (HF name) as a QuantizedTable of its own blocks, or None when its type
-    has no such form or its rows are not the file's in some order."""
+    has no such form or its rows are not the file's in some order. ``keep_blocks``: a Q4_K table also keeps its
+    scale bytes (packed storage)."""
     from mirrorsd.export.gguf_blocks import BLOCK as GGUF_BLOCK
     from mirrorsd.export.gguf_blocks import K_QUANTS, SCALE_BYTES, SUPER_BLOCK, block_integers, k_quant_parts, \
         row_order
@@ -140,9 +142,15 @@ def gguf_table(reader, stored: str) -> QuantizedTable | None:
     if packed:
         codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
     bias = PACKED_TYPES.get(kind, BYTE_TYPES.get(kind))
+    stored_form = None
+    if keep_blocks and kind == "Q4_K":
+        from mirrorsd.export.packed_weights import q4k_from_blocks
+
+        stored_form = q4k_from_blocks(blocks)
     return QuantizedTable(kind, np.ascontiguousarray(codes), byte_values(bias, packed),
                           np.ascontiguousarray(scales.reshape(v, -1), np.float32),
-                          None if offsets is None else np.ascontiguousarray(offsets.reshape(v, -1), np.float32))
+                          None if offsets is None else np.ascontiguousarray(offsets.reshape(v, -1), np.float32),
+                          stored_form)
 
 
 def q6_k_parts(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -191,7 +199,7 @@ class EmbeddingPlan:
         stored = sources.get(name) or next((sources[n] for n in sorted(embedding_names()) if n in sources), None)
         if stored is None or stored not in plan.weights.reader.tensors:
             return None
-        found = gguf_table(plan.weights.reader, stored)
+        found = gguf_table(plan.weights.reader, stored, getattr(plan, "storage", "plain") == "packed")
         if found is None or not np.array_equal(found.dequantize(), weight.astype(np.float32)):
             return None
         return found
@@ -221,9 +229,11 @@ def replace_embeddings(model, plan: EmbeddingPlan, role: str) -> int:
         if table is None:
             continue
         graph.initializer.remove(inits.pop(name))
-        graph.initializer.extend(_initializers(name, table))
+        unpacking = _unpacking(name, table)
+        graph.initializer.extend(_initializers(name, table) + (unpacking.initializers if unpacking else []))
         graph.node.remove(node)
-        lookup = _lookup_nodes(name, table, node.input[1], node.output[0], node.name)
+        lookup = (unpacking.nodes if unpacking else []) + \
+            _lookup_nodes(name, table, node.input[1], node.output[0], node.name)
         for offset, new in enumerate(lookup):
             graph.node.insert(index + shift + offset, new)
         shift += len(lookup) - 1
@@ -237,12 +247,25 @@ def _initializers(name: str, table: QuantizedTable) -> list:
     v = table.codes.shape[0]
     out = [numpy_helper.from_array(table.codes, f"{name}.codes"),
            numpy_helper.from_array(table.values, f"{name}.values"),
-           numpy_helper.from_array(table.scales.reshape(v, -1, 1), f"{name}.scales"),
            numpy_helper.from_array(np.array([table.scales.shape[1], table.per_scale], np.int64), f"{name}.blocks"),
            numpy_helper.from_array(np.array([table.hidden], np.int64), f"{name}.hidden")]
+    if table.stored is not None:  # scales and offsets come from the unpacking nodes
+        return out
+    out.append(numpy_helper.from_array(table.scales.reshape(v, -1, 1), f"{name}.scales"))
     if table.offsets is not None:
         out.append(numpy_helper.from_array(table.offsets.reshape(v, -1, 1), f"{name}.offsets"))
     return out
+
+
+def _unpacking(name: str, table: QuantizedTable):
+    """Packed storage (export/packed_weights.py): the nodes and stored initializers that compute ``NAME.scales`` and
+    ``NAME.offsets`` from the Q4_K table's own scale bytes; None when the table is stored plain."""
+    if table.stored is None:
+        return None
+    from mirrorsd.export.packed_weights import q4k_embedding_nodes
+
+    return q4k_embedding_nodes(name, table.stored, table.codes.shape[0], table.hidden, f"{name}.scales",
+                               f"{name}.offsets")
 
 
 def _lookup_nodes(name: str, table: QuantizedTable, ids: str, output: str, scope: str) -> list:

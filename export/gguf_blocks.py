@@ -36,6 +36,9 @@ Modes (``mirrorsd-export --gguf-blocks``):
                 mix of precisions (a Q4_K_M file keeps its LM head and half its down projections at 6 bits)
     requantize  dequantize and quantize every tensor again (the exporter before this module)
 A row permutation that transformers applies when it reads a GGUF (Llama's q/k rows) is applied to the blocks too.
+Storage (``--weight-storage``): plain writes the MatMulNBits initializers above; packed writes a carried Q4_K
+tensor's scales, and a Q6_K tensor widened to 8 bits whole, as the file's own bytes plus the standard ONNX operators
+that rebuild the same initializers at load (export/packed_weights.py).
 
 The source may be the GGUF itself, or a Hugging Face folder that ``mirrorsd fetch`` converted from one (its
 mirrorsd_source.json names the file, export/convert.py: converted_from): that folder's weights are the GGUF's own
@@ -80,6 +83,7 @@ class Carried:
     packed: np.ndarray
     scales: np.ndarray
     zero_points: np.ndarray | None = None
+    stored: object = None  # packed_weights.PackedQ4K / PackedQ6K: what packed storage writes instead (else None)
 
 
 @dataclass
@@ -93,6 +97,7 @@ class BlockPlan:
     mode: str
     counts: dict = field(default_factory=dict)  # role -> Counter({"gguf_carried.Q4_0": n, ...})
     vocab_size: int | None = None  # the LM head's N: what mode widen-head widens
+    storage: str = "plain"  # plain | packed: Q4_K scales and widened Q6_K as the file's bytes (packed_weights.py)
 
     def carry(self, role: str, parameter: str) -> Carried | None:
         """The carried form of model parameter ``parameter`` ([N, K] in the model), or None to requantize it."""
@@ -105,14 +110,17 @@ class BlockPlan:
         wide = self.mode == "widen" or (self.mode == "widen-head" and role in WIDE_ROLES
                                         and reader.shape(stored)[0] == self.vocab_size)
         bits = self._bits(kind, wide)
-        result = carried(reader, stored, bits) if bits else None
+        result = carried(reader, stored, bits, self.storage == "packed") if bits else None
         tally = self.counts.setdefault(role, Counter())
         if (result is not None or kind in WIDENED) and not self._same_values(stored):
             tally[f"gguf_differs.{kind}"] += 1  # the folder's weight is not the file's: requantize the folder's
             return None
         if result is None and wide and self.bits == 4 and kind in WIDENED and reader.shape(stored)[1] % BLOCK == 0:
             tally[f"gguf_widened.{kind}"] += 1
-            return round_to_8_bits(reader.get(stored).numpy())
+            widened = round_to_8_bits(reader.get(stored).numpy())
+            if self.storage == "packed" and kind == "Q6_K":
+                widened = packed_q6_k(reader, stored, widened)
+            return widened
         tally[f"gguf_carried.{kind}" if result else f"gguf_requantized.{kind}"] += 1
         if result is not None and result.zero_points is not None:
             tally[FLOAT_ZERO_POINT_WEIGHTS] += 1
@@ -145,7 +153,7 @@ class ConvertedWeights:
     folder: object  # the folder's own reader (checkpoint.SafetensorsReader)
 
 
-def block_plan(source, precision: str, mode: str) -> BlockPlan | None:
+def block_plan(source, precision: str, mode: str, storage: str = "plain") -> BlockPlan | None:
     """A plan when ``source`` reads a GGUF file, or a folder converted from one that is still in the cache, and
     ``precision`` quantizes; else None (nothing to carry)."""
     from mirrorsd.export.checkpoint import GGUFReader, open_gguf
@@ -159,7 +167,8 @@ def block_plan(source, precision: str, mode: str) -> BlockPlan | None:
         if origin is None:
             return None
         weights = ConvertedWeights(open_gguf(origin, source.model), weights.sources, weights.reader)
-    return BlockPlan(weights, WEIGHT_BITS[precision], check_mode(mode), vocab_size=source.info.vocab_size)
+    return BlockPlan(weights, WEIGHT_BITS[precision], check_mode(mode), vocab_size=source.info.vocab_size,
+                     storage=storage)
 
 
 def round_to_8_bits(weight: np.ndarray) -> Carried:
@@ -173,9 +182,23 @@ def round_to_8_bits(weight: np.ndarray) -> Carried:
     return Carried(8, codes.astype(np.uint8), scales)
 
 
-def carried(reader, stored: str, bits: int) -> Carried | None:
+def packed_q6_k(reader, stored: str, widened: Carried) -> Carried:
+    """``widened`` (a Q6_K tensor rounded to 8 bits) with the file's own blocks to store instead, where its rows are
+    the file's in some order and K is whole super-blocks (else as it is)."""
+    from mirrorsd.export.packed_weights import q6k_from_blocks
+
+    n, k = reader.shape(stored)
+    order = row_order(reader, stored, n)
+    if k % SUPER_BLOCK or order is None:
+        return widened
+    blocks = np.asarray(reader.tensors[stored].data).reshape(n, k // SUPER_BLOCK, -1)[order]
+    return Carried(widened.bits, widened.packed, widened.scales, None, q6k_from_blocks(blocks))
+
+
+def carried(reader, stored: str, bits: int, keep_blocks: bool = False) -> Carried | None:
     """Tensor ``stored`` of the GGUF (HF name) as MatMulNBits codes and scales, or None if its rows are not a
-    permutation of the file's (then it is requantized)."""
+    permutation of the file's (then it is requantized). ``keep_blocks``: a Q4_K tensor also keeps its scale bytes
+    for packed storage."""
     tensor = reader.tensors[stored]
     n, k = reader.shape(stored)
     kind = tensor.tensor_type.name
@@ -189,7 +212,12 @@ def carried(reader, stored: str, bits: int) -> Carried | None:
     blocks = blocks[order]
     if kind in K_QUANTS:
         codes, scales, zero_points = with_zero_points(*k_quant_parts(blocks, kind))
-        return Carried(bits, pack(codes, bits), scales, zero_points)
+        stored_form = None
+        if keep_blocks and kind == "Q4_K":
+            from mirrorsd.export.packed_weights import q4k_from_blocks
+
+            stored_form = q4k_from_blocks(blocks)
+        return Carried(bits, pack(codes, bits), scales, zero_points, stored_form)
     scales = np.ascontiguousarray(blocks[..., :SCALE_BYTES]).view(np.float16)[..., 0].astype(np.float32)
     values = block_integers(blocks, tensor.tensor_type)  # [N, K/32, 32] int16
     codes = (values + (1 << (bits - 1))).astype(np.uint8)
@@ -296,27 +324,54 @@ def replace_matmuls(model, plan: BlockPlan, role: str, accuracy_level: int) -> i
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     replaced = 0
-    for index, node in enumerate(list(graph.node)):
+    kept = []  # the graph's nodes in order, each carried MatMul replaced by its unpacking nodes and MatMulNBits
+    for original in graph.node:
+        node = type(original)()
+        node.CopyFrom(original)  # kept apart from the graph, which is rebuilt from ``kept`` at the end
         weight = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else ""
-        if weight not in inits or not weight.endswith(".T"):
-            continue
-        k, n = (int(d) for d in inits[weight].dims)
-        found = plan.carry(role, weight[:-2])
+        found = None
+        if weight in inits and weight.endswith(".T"):
+            k, n = (int(d) for d in inits[weight].dims)
+            found = plan.carry(role, weight[:-2])
         if found is None or found.packed.shape[0] != n or found.scales.shape[1] * BLOCK != k:
+            kept.append(node)
             continue
         names = [f"{weight}_Q{found.bits}", f"{weight}_scales"]
-        graph.initializer.remove(inits.pop(weight))
-        graph.initializer.extend([numpy_helper.from_array(found.packed, names[0]),
-                                  numpy_helper.from_array(found.scales, names[1])])
         if found.zero_points is not None:  # input 3, [N * K/32] as ONNX Runtime's contrib-op spec shapes it
             names.append(f"{weight}_zero_points")
-            graph.initializer.append(numpy_helper.from_array(found.zero_points.reshape(-1), names[2]))
-        new = helper.make_node("MatMulNBits", [node.input[0], *names], list(node.output),
-                               name=f"{node.name}_Q{found.bits}", domain="com.microsoft", K=k, N=n,
-                               bits=found.bits, block_size=BLOCK, accuracy_level=accuracy_level)
-        graph.node.remove(node)
-        graph.node.insert(index, new)
+        graph.initializer.remove(inits.pop(weight))
+        unpacking = _unpacking(found, names, weight, n, k)
+        if unpacking is None:
+            graph.initializer.append(numpy_helper.from_array(found.packed, names[0]))
+            graph.initializer.append(numpy_helper.from_array(found.scales, names[1]))
+            if found.zero_points is not None:
+                graph.initializer.append(numpy_helper.from_array(found.zero_points.reshape(-1), names[2]))
+        else:
+            graph.initializer.extend(unpacking.initializers)
+            kept.extend(unpacking.nodes)
+        kept.append(helper.make_node("MatMulNBits", [node.input[0], *names], list(node.output),
+                                     name=f"{node.name}_Q{found.bits}", domain="com.microsoft", K=k, N=n,
+                                     bits=found.bits, block_size=BLOCK, accuracy_level=accuracy_level))
         replaced += 1
+    if replaced:
+        del graph.node[:]
+        graph.node.extend(kept)
     if replaced and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return replaced
+
+
+def _unpacking(found: Carried, names: list[str], weight: str, n: int, k: int):
+    """The unpacking nodes and stored initializers of a packed weight (packed_weights.py), or None to store it
+    plain. Q4_K keeps its codes as initializer ``names[0]``."""
+    from onnx import numpy_helper
+
+    from mirrorsd.export.packed_weights import PackedQ4K, PackedQ6K, q4k_matmul_nodes, q6k_8bit_nodes
+
+    if isinstance(found.stored, PackedQ4K):
+        built = q4k_matmul_nodes(weight, found.stored, n, k, names[1], names[2])
+        built.initializers.append(numpy_helper.from_array(found.packed, names[0]))
+        return built
+    if isinstance(found.stored, PackedQ6K):
+        return q6k_8bit_nodes(weight, found.stored, n, k, names[0], names[1])
+    return None

@@ -26,6 +26,8 @@ class ExportOptions:
     gguf_blocks: str = "exact"  # a GGUF source's blocks: exact | widen | widen-head | requantize (export/gguf_blocks.py)
     draft_gguf_blocks: str | None = None  # the draft's, when it differs (None: gguf_blocks)
     embedding: str = "quantized"  # a quantized model's token embedding: quantized | float (export/embedding.py)
+    weight_storage: str = "plain"  # carried GGUF weights on disk: plain | packed (export/packed_weights.py)
+    draft_weight_storage: str | None = None  # the draft's, when it differs (None: weight_storage)
     draft_vocab: int | None = None  # the draft's LM head scores only the N most likely ids (export/vocab_subset.py)
     resume: bool = False  # keep the scratch folder if the run stops; continue one a stopped run kept
     whole_graphs: bool = False  # trace each graph whole with all weights in memory (the exporter before streaming)

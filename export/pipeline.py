@@ -57,6 +57,7 @@ def export(options: ExportOptions, progress: Callable[[str], None] = lambda step
     check_mode(options.gguf_blocks)
     check_mode(options.draft_gguf_blocks or options.gguf_blocks)
     embedding.check_mode(options.embedding)
+    check_storage(options)
     _check_fp16(options, None)
     if options.exit_layer is None and options.exit_hits is not None and options.exit_profile is not None:
         from mirrorsd.export.exit_choice import read_inputs
@@ -91,9 +92,10 @@ def _write_folder(scratch: Path, options: ExportOptions, target, draft, exit_lay
     state = open_state(scratch, _fingerprint(options, target, draft))
     optional = _optional_graphs(options, draft) + ((streaming,) if streaming else ())
     jobs = (ModelJob("target", target, TARGET_GRAPHS, options.target_precision, exit_layer, options.top_k,
-                     options.whole_graphs, options.gguf_blocks, options.embedding),
+                     options.whole_graphs, options.gguf_blocks, options.embedding, options.weight_storage),
             ModelJob("draft", draft, DRAFT_GRAPHS + optional, options.draft_precision, exit_layer, options.top_k,
-                     options.whole_graphs, options.draft_gguf_blocks or options.gguf_blocks, options.embedding))
+                     options.whole_graphs, options.draft_gguf_blocks or options.gguf_blocks, options.embedding,
+                     draft_storage(options)))
     graphs = {}
     for job in jobs:
         for role, (module, build, validation) in run_job(job, scratch, state, progress, on_layer).items():
@@ -138,6 +140,25 @@ def _check_draft_vocab(options: ExportOptions, streaming) -> None:
                                                                    "a streaming draft"),
                                 "only the plain draft graph (draft.onnx) is cut to a vocabulary subset",
                                 "drop --draft-vocab, or export that draft without it")
+
+
+def draft_storage(options: ExportOptions) -> str:
+    return options.draft_weight_storage or options.weight_storage
+
+
+def check_storage(options: ExportOptions) -> None:
+    """Storage names, and no vocabulary cut of a packed draft head (export/vocab_subset.py cuts initializers)."""
+    from mirrorsd.export.packed_weights import STORAGES
+
+    for flag, value in (("--weight-storage", options.weight_storage),
+                        ("--draft-weight-storage", draft_storage(options))):
+        if value not in STORAGES:
+            raise ExportOptionError(f"{flag} {value!r} is not a storage", f"choose one of {', '.join(STORAGES)}",
+                                    f"for example {flag} plain")
+    if options.draft_vocab is not None and draft_storage(options) == "packed":
+        raise ExportOptionError("--draft-vocab cannot cut a packed draft head",
+                                "the cut slices the head's MatMulNBits initializers, which packed storage computes "
+                                "at load", "add --draft-weight-storage plain (the target can stay packed)")
 
 
 def _recorded_options(options: ExportOptions) -> dict:

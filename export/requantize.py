@@ -14,11 +14,11 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from mirrorsd.errors import ExportOptionError, ManifestError
+from mirrorsd.errors import ExportOptionError
 from mirrorsd.manifest import load_manifest
 from mirrorsd.export.graphs import registry
 from mirrorsd.export.quantize import QUANTIZED, check_precision, quantize_graph
-from mirrorsd.output_folder import EXPORT, StagedFolder, check_output
+from mirrorsd.output_folder import EXPORT, StagedFolder, check_output, check_source_folder, copy_file
 
 
 def requantize(source: Path, output: Path, target_precision: str | None = None, draft_precision: str | None = None,
@@ -50,7 +50,7 @@ def requantize(source: Path, output: Path, target_precision: str | None = None, 
             raise ExportOptionError(f"'{source}' is already {done[f'{model}_precision']} for {model}",
                                     "quantizing twice compounds the error", "start from the fp32 export")
     output = check_output(output, [source], force, EXPORT)
-    check_source_folder(source, manifest)
+    check_source_folder(source, manifest, "quantize")
     plan = [(model, precision) for model, precision in wanted.items()
             if precision not in (None, "fp32", done.get(f"{model}_precision", "fp32"))]
     roles = {model: registry.quantized_roles(manifest.graphs, model) for model, _ in plan}
@@ -62,7 +62,7 @@ def requantize(source: Path, output: Path, target_precision: str | None = None, 
             if item.name in rewritten or item.name.removesuffix(".data") in rewritten:
                 continue
             dest = stage.path / item.name
-            shutil.copytree(item, dest) if item.is_dir() else _copy(item, dest)
+            shutil.copytree(item, dest) if item.is_dir() else copy_file(item, dest)
         effects, counts = {}, {}
         for model, precision in plan:
             progress(f"quantizing the {model} to {precision}")
@@ -116,23 +116,3 @@ def _rounding(manifest, info, scale_search: str, head_bits: int | None, progress
         progress(f"measuring {source}'s activations on the calibration text")
         importance = channel_importance(source)
     return RoundingOptions(scale_search, head_bits, info.vocab_size, importance)
-
-
-def check_source_folder(source: Path, manifest) -> None:
-    """What loading the folder checks, before anything is copied: every graph (and its external data) inside the
-    folder, and no symbolic link anywhere in it that leads out of it (a copy would follow it)."""
-    from mirrorsd.runtime.session import graph_path
-
-    for spec in manifest.graphs.values():
-        graph_path(source, spec)
-    for item in source.rglob("*"):
-        if item.is_symlink() and not item.resolve().is_relative_to(source):
-            raise ManifestError(f"'{item}' is a symbolic link to '{item.resolve()}', outside the export folder",
-                                "quantize copies the folder, and a copy would follow the link",
-                                "do not use this folder; re-export the model yourself")
-
-
-def _copy(src: Path, dst: Path) -> None:
-    # A copy, not a hard link: onnx refuses external data with several links ("hardlink attack"), and a link
-    # would let a later write into one folder change the other.
-    shutil.copy2(src, dst)

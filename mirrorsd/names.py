@@ -45,6 +45,7 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")  # weight precisions of a model in
 # validation count of a graph's MatMulNBits nodes with float zero points (carried GGUF Q4_K blocks): ONNX Runtime's own
 # kernel runs those through another, slower path, whose row invariance devices/ort_kernel_check.py measures apart
 FLOAT_ZERO_POINT_WEIGHTS = "float_zero_point_weights"
+UNPACK_PREFIX = "unpack/"  # names of the nodes that unpack packed weights (export/packed_weights.py)
 WEIGHT_BITS = {"int8": 8, "int4": 4}  # bits per weight of the quantized precisions (MatMulNBits)
 TOKENIZER_DIR = "tokenizer"
 

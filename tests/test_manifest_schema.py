@@ -83,5 +83,6 @@ def test_schema_export_options_are_the_export_options(validator):
 
     node = validator.schema["properties"]["export_options"]
     written = {f.name for f in dataclasses.fields(ExportOptions)} - set(RUN_ONLY)  # as _write_folder does
-    extra = {"requantized_from", "rounding", "exit_layer_choice"}  # + mirrorsd quantize, + the exit-layer choice
+    extra = {"requantized_from", "rounding", "exit_layer_choice", "unpacked_from"}  # + mirrorsd quantize, + the
+    # exit-layer choice, + mirrorsd unpack
     assert set(node["properties"]) - extra == written == set(node["required"])

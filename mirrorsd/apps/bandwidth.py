@@ -74,16 +74,21 @@ def read_bandwidth(threads: int = 1, megabytes: int = 512, repeats: int = 5) -> 
 
 
 def target_weight_bytes(folder: Path, manifest: Manifest) -> int:
-    """Bytes of the target graphs a decode step reads: prefix + suffix files (with external data), less the
-    embedding table as stored (float, or quantized: export/embedding.py), which is gathered (one row per token),
-    not read whole. The exit head is not counted (ar does not run it)."""
+    """Bytes of the target graphs a decode step reads: prefix + suffix files (with external data; a graph with packed
+    weights counted as unpacked, devices/unpack.py), less the embedding table as stored (float, or quantized:
+    export/embedding.py), which is gathered (one row per token), not read whole. The exit head is not counted (ar
+    does not run it)."""
+    from mirrorsd.devices.unpack import unpacked_bytes
     from mirrorsd.export.embedding import stored_bytes
 
     total = 0
+    packed = manifest.export_options.get("weight_storage") == "packed"
     for role in ("prefix", "suffix"):
         path = Path(folder) / manifest.graph(role).file
+        unpacked = unpacked_bytes(path) if packed else None  # packed weights: what a session holds, not the file
+        total += len(unpacked) if unpacked is not None else 0
         for file in (path, path.with_name(path.name + ".data")):
-            if file.is_file():
+            if file.is_file() and (unpacked is None or file != path):
                 total += file.stat().st_size
     width = 2 if manifest.export_options.get("target_precision") == "fp16" else 4  # unless counted as quantized
     embedding = stored_bytes(manifest.graph("prefix").validation, manifest.target.vocab_size,

@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--embedding", choices=("quantized", "float"), default="quantized",
                        help="the token embedding of each model quantized here: quantized = 8-bit blocks of 32 "
                             "(9 bits per weight; the lookup is standard ONNX operators); float = keep float32")
+    unpack = sub.add_parser("unpack", help="copy an export folder with its packed weights (--weight-storage packed) "
+                                           "written plain, for hosts that load the graph files themselves")
+    unpack.add_argument("--model", required=True, type=Path, help="an export folder with packed weights")
+    unpack.add_argument("--output", required=True, type=Path, help="the new folder")
+    unpack.add_argument("--force", action="store_true",
+                        help="replace --output if it holds a previous export (only after success)")
     ev = sub.add_parser("eval", help="perplexity and top-1 agreement with a reference on real text (quality of a "
                                      "quantized export)", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                         description="Score models on a text: perplexity, and the share of positions whose most likely "
@@ -359,6 +365,15 @@ def _quantize(args) -> int:
     return 0
 
 
+def _unpack(args) -> int:
+    from mirrorsd.apps.unpack_folder import unpack_folder
+
+    out = unpack_folder(args.model, args.output, args.force, lambda step: print(f"{step} ...", file=sys.stderr,
+                                                                                 flush=True))
+    write_stdout(f"{out}\n")
+    return 0
+
+
 def _eval(args) -> int:
     from mirrorsd.apps.quality import EvalOptions, evaluate, table, to_dict
 
@@ -375,7 +390,7 @@ def _plan(args) -> int:
     return plan_command(args)
 
 
-COMMANDS = {"eval": _eval, "plan": _plan, "quantize": _quantize, "generate": _generate, "fetch": _fetch, "devices": _devices, "bench": _bench}
+COMMANDS = {"eval": _eval, "plan": _plan, "quantize": _quantize, "unpack": _unpack, "generate": _generate, "fetch": _fetch, "devices": _devices, "bench": _bench}
 
 if __name__ == "__main__":
     sys.exit(main())
