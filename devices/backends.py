@@ -141,13 +141,12 @@ def _release_model_bytes(session) -> bool:
 def _read_openvino(core, path: Path):
     """``core.read_model`` of the graph file, or of its bytes with packed weights unpacked (devices/unpack.py:
     OpenVINO's MatMulNBits reader needs constant zero points, so it cannot read the packed graph itself)."""
-    from mirrorsd.devices.unpack import unpacked_bytes
-    from mirrorsd.runtime.graph_files import external_locations
+    from mirrorsd.devices.unpack import unpacked_bytes, uses_external_data
 
     data = unpacked_bytes(path)
     if data is None:
         return core.read_model(str(path))
-    if external_locations(path):
+    if uses_external_data(data):
         raise GraphFileError(f"OpenVINO cannot read the packed weights of '{path.name}'",
                              "its other weights are in external data files, which OpenVINO finds only when it "
                              "reads the graph from its file", "export with --weight-storage plain for OpenVINO")

@@ -64,6 +64,16 @@ def has_unpacking(buf) -> bool:
     return False
 
 
+def uses_external_data(buf) -> bool:
+    """Whether a top-level initializer of the serialized model ``buf`` keeps its values in an external file."""
+    graph = _graph_span(buf)
+    for number, wire, lo, hi in fields(buf, *graph) if graph else ():
+        if number == _GRAPH_INITIALIZER and wire == LENGTH_DELIMITED:
+            if any(f == _T_EXTERNAL for f, _, _, _ in fields(buf, lo, hi)):
+                return True
+    return False
+
+
 def unpacked_bytes(path: Path) -> bytes | None:
     """The ONNX file ``path`` with its packed weights unpacked (see the module docstring), or None when it has no
     unpacking nodes (open the file itself). External data stays where it is: load the bytes with the file's folder

@@ -74,7 +74,7 @@ def q4k_from_blocks(blocks: np.ndarray) -> PackedQ4K:
 
 def q6k_from_blocks(blocks: np.ndarray) -> PackedQ6K:
     """Q6_K blocks [N, nb, 210] -> PackedQ6K (the codes re-laid in consecutive order, the same 6 bits)."""
-    from mirrorsd.export.embedding import q6_k_parts
+    from mirrorsd.export.q6_k import q6_k_parts
 
     n, nb, _ = blocks.shape
     q, _ = q6_k_parts(blocks)  # [N, K] 0..63

@@ -18,7 +18,8 @@ from mirrorsd.errors import ExportOptionError
 from mirrorsd.manifest import load_manifest
 from mirrorsd.export.graphs import registry
 from mirrorsd.export.quantize import QUANTIZED, check_precision, quantize_graph
-from mirrorsd.output_folder import EXPORT, StagedFolder, check_output, check_source_folder, copy_file
+from mirrorsd.output_folder import EXPORT, StagedFolder, check_output, copy_file
+from mirrorsd.runtime.session import check_source_folder
 
 
 def requantize(source: Path, output: Path, target_precision: str | None = None, draft_precision: str | None = None,

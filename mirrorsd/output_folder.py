@@ -223,21 +223,6 @@ def _mkdir_mode(inside: Path) -> int:
     return mode
 
 
-def check_source_folder(source: Path, manifest, command: str) -> None:
-    """What loading the folder checks, before anything is copied: every graph (and its external data) inside the
-    folder, and no symbolic link anywhere in it that leads out of it (a copy would follow it)."""
-    from mirrorsd.errors import ManifestError
-    from mirrorsd.runtime.session import graph_path
-
-    for spec in manifest.graphs.values():
-        graph_path(source, spec)
-    for item in source.rglob("*"):
-        if item.is_symlink() and not item.resolve().is_relative_to(source):
-            raise ManifestError(f"'{item}' is a symbolic link to '{item.resolve()}', outside the export folder",
-                                f"{command} copies the folder, and a copy would follow the link",
-                                "do not use this folder; re-export the model yourself")
-
-
 def copy_file(src: Path, dst: Path) -> None:
     # A copy, not a hard link: onnx refuses external data with several links ("hardlink attack"), and a link
     # would let a later write into one folder change the other.

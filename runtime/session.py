@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mirrorsd.errors import GraphFileError
+from mirrorsd.errors import GraphFileError, ManifestError
 from mirrorsd.manifest import GraphSpec
 
 
@@ -52,3 +52,15 @@ def graph_path(folder: Path, spec: GraphSpec) -> Path:
                              "re-export the folder")
     check_external_data(path)  # before any backend opens it: they follow external-data paths as written
     return path
+
+
+def check_source_folder(source: Path, manifest, command: str) -> None:
+    """What loading the folder checks, before anything is copied: every graph (and its external data) inside the
+    folder, and no symbolic link anywhere in it that leads out of it (a copy would follow it)."""
+    for spec in manifest.graphs.values():
+        graph_path(source, spec)
+    for item in source.rglob("*"):
+        if item.is_symlink() and not item.resolve().is_relative_to(source):
+            raise ManifestError(f"'{item}' is a symbolic link to '{item.resolve()}', outside the export folder",
+                                f"{command} copies the folder, and a copy would follow the link",
+                                "do not use this folder; re-export the model yourself")

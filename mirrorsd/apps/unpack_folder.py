@@ -16,7 +16,8 @@ from typing import Callable
 
 from mirrorsd.errors import ExportOptionError
 from mirrorsd.manifest import load_manifest
-from mirrorsd.output_folder import EXPORT, StagedFolder, check_output, check_source_folder, copy_file
+from mirrorsd.output_folder import EXPORT, StagedFolder, check_output, copy_file
+from mirrorsd.runtime.session import check_source_folder
 
 
 def unpack_folder(source: Path, output: Path, force: bool = False,
