@@ -177,9 +177,6 @@ def _fingerprint(options: ExportOptions, target, draft) -> dict:
 
 
 def _check_static_options(options: ExportOptions) -> None:
-    if options.draft is not None and options.draft_layers is not None:
-        raise ExportOptionError("--draft and --draft-layers were both given", "a draft is one or the other",
-                                "drop one of them")
     if options.top_k < 1:
         raise ExportOptionError(f"--top-k {options.top_k} is out of range", "it must be at least 1",
                                 f"use the default {DEFAULT_TOP_K}")
@@ -225,15 +222,20 @@ def _check_max_context(options: ExportOptions, draft_positions: int | None) -> N
 def _open_draft(options: ExportOptions, target, progress):
     from mirrorsd.export.loading import open_model
 
-    n = target.info.num_layers
+    """The draft model: --draft's model (its first --draft-layers layers when both are given), or the target's
+    first --draft-layers layers (default N/4)."""
+    source, whose = target, "the target"
     if options.draft is not None:
         progress("opening draft")
-        return open_model(options.draft, options.trust_remote_code)
+        source, whose = open_model(options.draft, options.trust_remote_code), "the draft"
+        if options.draft_layers is None:
+            return source
+    n = source.info.num_layers
     k = options.draft_layers if options.draft_layers is not None else max(1, n // 4)
     if not 1 <= k <= n:
-        raise ExportOptionError(f"--draft-layers {k} is out of range", f"the target has {n} layers; use 1..{n}",
+        raise ExportOptionError(f"--draft-layers {k} is out of range", f"{whose} has {n} layers; use 1..{n}",
                                 f"for example --draft-layers {max(1, n // 4)}")
-    return target.truncated(k)
+    return source.truncated(k)
 
 
 def _exit_layer(options: ExportOptions, n: int, progress=lambda step: None) -> tuple[int, dict | None]:
