@@ -25,6 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from mirrorsd.devices.heap import HeapTrimmer, trim_heap
+from mirrorsd.devices.unpack import unpacked_bytes, uses_external_data
 from mirrorsd.errors import DeviceError, GraphFileError
 
 
@@ -141,8 +142,6 @@ def _release_model_bytes(session) -> bool:
 def _read_openvino(core, path: Path):
     """``core.read_model`` of the graph file, or of its bytes with packed weights unpacked (devices/unpack.py:
     OpenVINO's MatMulNBits reader needs constant zero points, so it cannot read the packed graph itself)."""
-    from mirrorsd.devices.unpack import unpacked_bytes, uses_external_data
-
     data = unpacked_bytes(path)
     if data is None:
         return core.read_model(str(path))
@@ -153,11 +152,10 @@ def _read_openvino(core, path: Path):
     return core.read_model(data)
 
 
-def _unpacked(path: Path, opts) -> bytes | None:
-    """The graph's bytes with its packed weights unpacked (devices/unpack.py), with ``opts`` told where its external
-    data is; None for a graph without packed weights (open the file)."""
+def unpacked_for_session(path: Path, opts) -> bytes | None:
+    """The graph's bytes with its packed weights unpacked (devices/unpack.py), ``opts`` (ONNX Runtime SessionOptions)
+    told where its external data is; None for a graph without packed weights (open the file)."""
     from mirrorsd.devices.kernels import external_data_config
-    from mirrorsd.devices.unpack import unpacked_bytes
 
     data = unpacked_bytes(path)
     if data is not None:
@@ -180,7 +178,7 @@ class OrtSession:
         if provider == "DmlExecutionProvider":
             opts.enable_mem_pattern = False  # DirectML's documented requirement
         self.kernels, self.fused_attention = "ort", 0
-        unpacked = _unpacked(path, opts)
+        unpacked = unpacked_for_session(path, opts)
         model: str | bytes = str(path) if unpacked is None else unpacked
         if settings.kernels == "mirrorsd" and provider == "CPUExecutionProvider":
             from mirrorsd.devices import kernels
@@ -283,7 +281,7 @@ class OrtPluginSession(OrtSession):
         if settings.precision == "f32" and kind in ("CPU", "GPU"):
             provider_options["load_config"] = json.dumps({kind: {"INFERENCE_PRECISION_HINT": "f32"}})
         opts.add_provider_for_devices(devices[:1], provider_options)
-        unpacked = _unpacked(path, opts)
+        unpacked = unpacked_for_session(path, opts)
         self._open(lambda: ort.InferenceSession(str(path) if unpacked is None else unpacked, opts), path)
         if self.effective == PLUGIN_EP:
             self.effective = f"{PLUGIN_EP}:{kind}"

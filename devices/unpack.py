@@ -49,19 +49,24 @@ class _Node:
     attributes: dict = field(default_factory=dict)
 
 
-def has_unpacking(buf) -> bool:
-    """Whether the serialized model ``buf`` has a top-level node named ``unpack/...`` (a cheap scan: weights are
+def _unpacking_spans(buf):
+    """(start, end) of every top-level node of the serialized model ``buf`` named ``unpack/...`` (weights are
     skipped by their length)."""
     graph = _graph_span(buf)
-    if graph is None:
-        return False
-    prefix = UNPACK_PREFIX.encode()
-    for number, wire, lo, hi in fields(buf, *graph):
-        if number == _GRAPH_NODE and wire == LENGTH_DELIMITED:
-            for f, w, a, b in fields(buf, lo, hi):
-                if f == _NODE_NAME and w == LENGTH_DELIMITED and bytes(buf[a:b]).startswith(prefix):
-                    return True
-    return False
+    for number, wire, lo, hi in fields(buf, *graph) if graph else ():
+        if number == _GRAPH_NODE and wire == LENGTH_DELIMITED and _node_name(buf, lo, hi).startswith(UNPACK_PREFIX):
+            yield lo, hi
+
+
+def has_unpacking(buf) -> bool:
+    """Whether the serialized model ``buf`` has a top-level node named ``unpack/...``."""
+    return next(_unpacking_spans(buf), None) is not None
+
+
+def unpacking_outputs(buf) -> set[str]:
+    """The tensors the ``unpack/...`` nodes of ``buf`` make (float scales, zero points, codes), which ONNX Runtime
+    folds into initializers at load."""
+    return {out for lo, hi in _unpacking_spans(buf) for out in _read_node(buf, lo, hi).outputs}
 
 
 def uses_external_data(buf) -> bool:
@@ -80,30 +85,35 @@ def unpacked_bytes(path: Path) -> bytes | None:
     as the external-data folder (devices/kernels.external_data_config)."""
     import mmap
 
-    try:
-        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    if not Path(path).stat().st_size:
+        return None  # an empty file: opening it says what is wrong
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
             if not has_unpacking(buf):
                 return None
+        except (MalformedProtobuf, ValueError):  # (ValueError: a name that is not UTF-8)
+            return None  # not a valid model at all: opening it says what is wrong, as for any graph
+        try:
             return unpack_model(buf, Path(path).parent)
-    except (MalformedProtobuf, ValueError, KeyError) as exc:
-        raise GraphFileError(f"The packed weights of '{Path(path).name}' cannot be unpacked", str(exc),
-                             "the file may be truncated or damaged: re-export the folder") from None
+        except (MalformedProtobuf, ValueError, KeyError) as exc:
+            raise GraphFileError(f"The packed weights of '{Path(path).name}' cannot be unpacked", str(exc),
+                                 "the file may be truncated or damaged: re-export the folder") from None
 
 
 def unpack_model(buf, folder: Path) -> bytes:
     """The serialized model ``buf`` with every ``unpack/...`` node evaluated and replaced by the initializers it
     makes (``folder``: where external data files are)."""
     graph = _graph_span(buf)
-    nodes, initializers = [], {}  # initializer name -> (lo, hi) of its TensorProto
+    nodes, initializers = {}, {}  # (lo, hi) of the NodeProto -> node; initializer name -> (lo, hi) of its TensorProto
     for number, wire, lo, hi in fields(buf, *graph):
         if wire != LENGTH_DELIMITED:
             continue
         if number == _GRAPH_NODE:
-            nodes.append(_read_node(buf, lo, hi))
+            nodes[lo, hi] = _read_node(buf, lo, hi)
         elif number == _GRAPH_INITIALIZER:
             initializers[_tensor_name(buf, lo, hi)] = (lo, hi)
-    unpacking = [n for n in nodes if n.name.startswith(UNPACK_PREFIX)]
-    read_elsewhere = {name for n in nodes if not n.name.startswith(UNPACK_PREFIX) for name in n.inputs}
+    unpacking = [n for n in nodes.values() if n.name.startswith(UNPACK_PREFIX)]
+    read_elsewhere = {name for n in nodes.values() if not n.name.startswith(UNPACK_PREFIX) for name in n.inputs}
     groups: dict[str, list[_Node]] = {}  # one weight's unpacking: its nodes share the name's scope
     for node in unpacking:
         groups.setdefault(node.name.rsplit("/", 1)[0], []).append(node)
@@ -114,14 +124,13 @@ def unpack_model(buf, folder: Path) -> bytes:
         made += [message_field(_GRAPH_INITIALIZER, _tensor_message(name, value))
                  for name, value in sorted(results.items())]
     dropped = ({name for n in unpacking for name in n.inputs} - read_elsewhere) & set(initializers)
+    left_out = {span for span, n in nodes.items() if n.name.startswith(UNPACK_PREFIX)}
+    left_out |= {initializers[name] for name in dropped}
     parts = []  # the new GraphProto's fields: kept ones as slices of ``buf`` (copied once, by the join below)
     view = memoryview(buf)
     for number, wire, lo, hi in fields(buf, *graph):
-        if wire == LENGTH_DELIMITED and number == _GRAPH_NODE and _node_name(buf, lo, hi).startswith(UNPACK_PREFIX):
-            continue
-        if wire == LENGTH_DELIMITED and number == _GRAPH_INITIALIZER and _tensor_name(buf, lo, hi) in dropped:
-            continue
-        parts += _field_parts(view, number, wire, lo, hi)
+        if not (wire == LENGTH_DELIMITED and (lo, hi) in left_out):
+            parts += _field_parts(view, number, wire, lo, hi)
     parts += made
     model = []
     for number, wire, lo, hi in fields(buf, 0, len(buf)):

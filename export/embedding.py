@@ -182,7 +182,7 @@ class EmbeddingPlan:
         stored = sources.get(name) or next((sources[n] for n in sorted(embedding_names()) if n in sources), None)
         if stored is None or stored not in plan.weights.reader.tensors:
             return None
-        found = gguf_table(plan.weights.reader, stored, getattr(plan, "storage", "plain") == "packed")
+        found = gguf_table(plan.weights.reader, stored, plan.storage == "packed")
         if found is None or not np.array_equal(found.dequantize(), weight.astype(np.float32)):
             return None
         return found

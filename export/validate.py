@@ -103,14 +103,9 @@ def cpu_session(model, external: dict | None = None):
     if external:
         opts.add_external_initializers(list(external), [ort.OrtValue.ortvalue_from_numpy(a) for a in external.values()])
     if isinstance(model, (str, Path)) and Path(model).is_file():  # packed weights: unpacked here, not by ONNX
-        from mirrorsd.devices.kernels import external_data_config  # Runtime's folding (devices/unpack.py says why)
-        from mirrorsd.devices.unpack import unpacked_bytes
+        from mirrorsd.devices.backends import unpacked_for_session  # Runtime's folding (devices/unpack.py says why)
 
-        data = unpacked_bytes(Path(model))
-        if data is not None:
-            for key, value in external_data_config(Path(model)).items():
-                opts.add_session_config_entry(key, value)
-            model = data
+        model = unpacked_for_session(Path(model), opts) or model
     return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
 
 

@@ -248,3 +248,20 @@ def test_mirrorsd_unpack_writes_the_plain_folder(folders, tmp_path):
     with pytest.raises(OutputFolderError):
         unpack_folder(folders["packed"], tmp_path / "mine", force=True)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_damaged_graphs_are_reported_by_what_opens_them(folders, tmp_path):
+    """unpacked_bytes leaves an empty or non-ONNX file to the session that opens it (None: no packed weights seen),
+    and a packed graph whose unpacking cannot run is one what/why/fix error naming the file."""
+    from mirrorsd.devices.unpack import unpacked_bytes
+    from mirrorsd.errors import GraphFileError
+
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    (tmp_path / "noise.onnx").write_bytes(bytes(range(256)) * 4)
+    assert unpacked_bytes(tmp_path / "empty.onnx") is None
+    assert unpacked_bytes(tmp_path / "noise.onnx") is None
+    data = (folders["packed"] / "draft.onnx").read_bytes()
+    broken = tmp_path / "draft.onnx"
+    broken.write_bytes(data.replace(b"ReduceMax", b"ReduceMix").replace(b"Mod", b"Mud"))
+    with pytest.raises(GraphFileError, match="draft.onnx.*cannot be unpacked"):
+        unpacked_bytes(broken)

@@ -6,11 +6,11 @@ touched, and the same function switches back. The model also needs an opset_impo
 is appended to the top-level ModelProto when missing (protobuf fields may come in any order):
 
     ModelProto  opset_import 8 -> OperatorSetIdProto { domain 1, version 2 }
-    NodeProto   input 1, output 2, name 3, op_type 4, domain 7   (found with mirrorsd/onnx_wire.py's field walker)
+    NodeProto   op_type 4, domain 7          (found with mirrorsd/onnx_wire.py's field walker)
 
-A node whose inputs the kernel refuses (zero points that are neither a float initializer nor the output of a node that
-unpacks packed weights, named ``names.UNPACK_PREFIX...``, which ONNX Runtime folds into a float initializer at load;
-packed uint8 zero points; g_idx) or whose attributes it does not handle (bits other than 4 and 8, block_size other than 32) keeps ONNX
+A node whose inputs the kernel refuses (zero points that are neither a float initializer nor made by the nodes that
+unpack packed weights, devices/unpack.py, which become float initializers at load; packed uint8 zero points;
+g_idx) or whose attributes it does not handle (bits other than 4 and 8, block_size other than 32) keeps ONNX
 Runtime's kernel. Float zero points are read from the initializers' data type:
 
     TensorProto  data_type 2 (1 = FLOAT), name 8
@@ -19,15 +19,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mirrorsd.devices.unpack import unpacking_outputs
 from mirrorsd.errors import GraphFileError
-from mirrorsd.names import UNPACK_PREFIX
 from mirrorsd.onnx_wire import (LENGTH_DELIMITED, MalformedProtobuf, fields, message_field, messages, read_varint,
                                 varint_field)
 
 DOMAIN = "mirrorsd.kern"
 ORT_DOMAIN = "com.microsoft"
 OP_TYPE = b"MatMulNBits"
-_NODE_INPUT, _NODE_OUTPUT, _NODE_NAME, _NODE_OP_TYPE, _NODE_ATTRIBUTE, _NODE_DOMAIN = 1, 2, 3, 4, 5, 7
+_NODE_INPUT, _NODE_OP_TYPE, _NODE_ATTRIBUTE, _NODE_DOMAIN = 1, 4, 5, 7
 _ATTRIBUTE_NAME, _ATTRIBUTE_INT = 1, 3
 _MODEL_OPSET_IMPORT, _OPSET_DOMAIN, _OPSET_VERSION = 8, 1, 2
 _SUPPORTED = {b"bits": (4, 8), b"block_size": (32,)}
@@ -103,7 +103,7 @@ def _matmul_nbits_domains(model, source: bytes) -> list[tuple[int, int]]:
             continue
         zero_points = inputs[_ZERO_POINTS] if len(inputs) > _ZERO_POINTS else b""
         if zero_points and float_tensors is None:
-            float_tensors = _float_tensors(model) | _unpacked_outputs(model)
+            float_tensors = _float_tensors(model) | {name.encode() for name in unpacking_outputs(model)}
         if _supported(inputs, attributes, not zero_points or zero_points in float_tensors):
             spans.append(domain)
     return spans
@@ -113,22 +113,6 @@ def _supported(inputs: list[bytes], attributes: dict[bytes, int], float_zero_poi
     if not float_zero_points or (len(inputs) > _GROUP_INDEX and inputs[_GROUP_INDEX]):
         return False
     return all(attributes.get(name) in allowed for name, allowed in _SUPPORTED.items())
-
-
-def _unpacked_outputs(model) -> set[bytes]:
-    """Outputs of the nodes that unpack packed weights: float tensors that ONNX Runtime folds at load."""
-    outputs = set()
-    prefix = UNPACK_PREFIX.encode()
-    for start, end in messages(model, "node"):
-        name, produced = b"", []
-        for field, wire, lo, hi in fields(model, start, end):
-            if wire == LENGTH_DELIMITED and field == _NODE_NAME:
-                name = bytes(model[lo:hi])
-            elif wire == LENGTH_DELIMITED and field == _NODE_OUTPUT:
-                produced.append(bytes(model[lo:hi]))
-        if name.startswith(prefix):
-            outputs.update(produced)
-    return outputs
 
 
 def _float_tensors(model) -> set[bytes]:
