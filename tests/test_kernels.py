@@ -232,3 +232,33 @@ def test_register_refuses_a_bad_replace_value(lib):
     opts.add_session_config_entry(kernels.REPLACE_KEY, "yes")
     with pytest.raises(Exception, match="must be"):
         opts.register_custom_ops_library(str(lib.path))
+
+
+def arena_counts(lib) -> tuple[int, int, int]:
+    """(chunks, bytes reserved, parts live) of the library's packed-weight arena (src/arena.hpp), read through the
+    library ONNX Runtime loaded (dlopen of the same path gives the same copy)."""
+    handle = ctypes.CDLL(str(lib.path))
+    counts = (ctypes.c_size_t * 3)()
+    handle.mirrorsd_kern_arena_counts(counts)
+    return counts[0], counts[1], counts[2]
+
+
+def test_packed_weights_share_huge_page_chunks_and_go_back_when_released(lib, monkeypatch):
+    import gc
+
+    rng = np.random.default_rng(3)
+    # 40 small layers (a few KB packed each): one chunk holds them all, where each used to be an allocation of its own
+    model = model_bytes(random_layers(rng, [64] * 41, 4, zero_points=True), kernels.DOMAIN)
+    before = arena_counts(lib)
+    session = open_session(model, monkeypatch)
+    during = arena_counts(lib)
+    assert during[2] - before[2] == 40, "every node's packed B is carved from the arena"
+    assert during[0] - before[0] <= 1 and during[1] % (2 << 20) == 0, "in whole 2 MiB pages, at most one new chunk"
+    a = rng.standard_normal((3, 64)).astype(np.float32)
+    first = run(session, a)
+    again = run(open_session(model, monkeypatch), a)  # a second session's parts sit beside the first's
+    np.testing.assert_array_equal(again, first)
+    del session
+    gc.collect()
+    after = arena_counts(lib)
+    assert after == before, "released parts go back, and a chunk they emptied goes back to the system"

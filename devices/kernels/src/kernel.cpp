@@ -3,9 +3,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
+
+#include "arena.hpp"
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>
 #endif
@@ -18,7 +17,6 @@ constexpr int64_t kTaskBytes = 64 * 1024;  // packed bytes per ParallelFor task:
 // Below this many packed bytes the calling thread does it all (~15 us at one thread's bandwidth): waking a sleeping
 // worker of ONNX Runtime's pool costs about as much (mode mirror's pools sleep between sections: devices/backends.py).
 constexpr size_t kInlineBytes = 512 * 1024;
-constexpr size_t kHugePage = size_t{2} << 20;
 
 #define MIRRORSD_RETURN_IF(expr)    \
   do {                              \
@@ -65,17 +63,6 @@ bool input_present(const OrtApi* api, const OrtKernelInfo* info, size_t index) {
   return size > 1;  // the size counts the terminating zero; an absent optional input has the empty name
 }
 
-// Packed B, in 2 MiB pages where whole ones fit: B is streamed once per call, and with 4 KiB pages the page walks
-// (nested ones in a virtual machine) cost a third of the bandwidth. Only whole pages are advised, so none is wasted.
-uint8_t* allocate_packed(size_t bytes) {
-  void* memory = nullptr;
-  if (posix_memalign(&memory, bytes >= kHugePage ? kHugePage : 64, bytes ? bytes : 64) != 0) return nullptr;
-#ifdef __linux__
-  if (bytes >= kHugePage) madvise(memory, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // before the first touch
-#endif
-  return static_cast<uint8_t*>(memory);
-}
-
 // Every float step must round the same way on every thread, but ONNX Runtime may turn on flush-to-zero and
 // denormals-are-zero on its pool threads (session.set_denormal_as_zero) and not on the calling one. The kernel's
 // work runs in the default mode: round half to even, denormals kept, exceptions masked; the caller's is restored.
@@ -110,7 +97,7 @@ void run_task(void* data, size_t task) {
 
 }  // namespace
 
-void FreeDeleter::operator()(uint8_t* p) const { std::free(p); }
+void FreeDeleter::operator()(uint8_t* p) const { arena_release(p); }
 
 OrtStatus* Kernel::error(OrtErrorCode code, const std::string& what, const std::string& fix) const {
   const std::string text = "mirrorsd.kern MatMulNBits node '" + node_ + "': " + what + ". Fix: " + fix + ".";
@@ -207,7 +194,7 @@ OrtStatus* Kernel::pack_weights(const OrtKernelInfo* info) {
     return error(ORT_INVALID_ARGUMENT, "scales has " + std::to_string(scales.count) +
                  " values, expected N * ceil(K/32) = " + std::to_string(s.N * s.kb), "re-quantize the model");
   packed_bytes_ = path_->packed_bytes(s);
-  packed_.reset(allocate_packed(packed_bytes_));
+  packed_.reset(arena_allocate(packed_bytes_));  // in 2 MiB pages shared with other nodes (arena.hpp)
   if (!packed_)
     return error(ORT_FAIL, "cannot allocate " + std::to_string(packed_bytes_) + " bytes for packed B", "free memory");
   path_->pack(s, static_cast<const uint8_t*>(b.data), static_cast<const float*>(scales.data),

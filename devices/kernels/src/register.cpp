@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 
+#include "arena.hpp"
 #include "attention.hpp"
 #include "kernel.hpp"
 
@@ -193,6 +194,12 @@ ORT_EXPORT const char* mirrorsd_kern_paths() {
       text += std::string(i ? "," : "") + paths[i]->name + (mirrorsd_kern::cpu_runs(*paths[i]) ? ":1" : ":0");
   });
   return text.c_str();
+}
+
+// The packed-weight arena now (src/arena.hpp): out[0] chunks, out[1] bytes reserved, out[2] parts not released.
+ORT_EXPORT void mirrorsd_kern_arena_counts(size_t out[3]) {
+  const mirrorsd_kern::ArenaCounts counts = mirrorsd_kern::arena_counts();
+  out[0] = counts.chunks, out[1] = counts.reserved, out[2] = counts.live;
 }
 
 ORT_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
