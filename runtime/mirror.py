@@ -114,8 +114,11 @@ class DraftWorker(threading.Thread):
         """Handle one request; return the next message to handle (speculation consumes messages itself)."""
         if isinstance(message, _Prefill):
             self.committed = list(message.tokens)
-            self.draft.reset(capacity=len(message.tokens) + 64)
-            self.draft.extend(self.committed)  # the prompt (never empty)
+            kept = self.draft.keep_prefix(self.committed)  # slots the last text shares with this one stay
+            if not kept:
+                self.draft.reset(capacity=len(message.tokens) + 64)
+            if kept < len(self.committed):
+                self.draft.extend(self.committed[kept:])  # the rest of the prompt
             return self.inbox.get()
         if isinstance(message, _Propose):
             self.committed = list(message.committed)

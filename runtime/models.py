@@ -154,6 +154,15 @@ class DraftModel:
         self.cache_tokens.extend(int(t) for t in tokens)
         return logits
 
+    def keep_prefix(self, tokens: list[int]) -> int:
+        """Start a new text: keep the main-cache slots whose tokens begin ``tokens`` (a shared system prompt, an
+        earlier turn of the conversation, the text mode auto's ar probe read), drop the rest; returns how many
+        were kept. A slot's KV depends only on the tokens up to it, so the kept ones are what a prefill would write."""
+        keep = common_prefix(self.cache_tokens, tokens)
+        if keep:
+            self.truncate(keep)
+        return keep
+
     def truncate(self, length: int) -> None:
         """Drop main-cache slots from ``length`` on."""
         self.cache.truncate(length)

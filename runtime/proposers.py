@@ -82,9 +82,8 @@ class SerialDraft(TargetOnly):
             self.confidence = 0.0  # record the picks' probabilities, stop nowhere
 
     def reset(self, prompt: list[int], sampler: Sampler = GREEDY) -> None:
-        held = self.draft.cache_tokens
-        if not (held and held == prompt[:len(held)]):  # a cache holding a prefix of this text is kept: e.g. mode
-            self.draft.reset(capacity=len(prompt) + 64)  # auto's ar probe read the text, and sd starts from there
+        if not self.draft.keep_prefix(prompt):  # what the last text shares with this one is not read again
+            self.draft.reset(capacity=len(prompt) + 64)
         self.sampler = sampler
         if self.lookup is not None:
             self.lookup.sync(prompt)

@@ -82,6 +82,36 @@ def test_text_prompt_and_streaming_pieces_match_text(drafts, pipelines):
     assert "".join(pieces) == out.text
 
 
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_a_new_prompt_keeps_the_draft_slots_it_shares_with_the_last_text(mode, drafts, pipelines, monkeypatch):
+    """A prompt that begins like the last generation's text (a system prompt, an earlier turn) has the draft read
+    only the rest: the shared slots are kept, and the windows are the ones a fresh prefill gives (a slot's KV depends
+    only on the tokens up to it), so the tokens equal ar's and sd drafts the same as from an empty cache."""
+    pipe = pipelines(drafts["truncated"])
+    shared = list(range(20, 50))
+    fed = []  # tokens per draft forward
+    forward = pipe.draft.forward
+
+    def counting(cache, ids, mask, positions):
+        fed.append(ids.shape[1])
+        return forward(cache, ids, mask, positions)
+
+    monkeypatch.setattr(pipe.draft, "forward", counting)
+    config = GenerationConfig(mode=mode, max_new_tokens=NEW, gamma=3)
+    pipe.generate(shared + [7, 8, 9], config)
+    fed.clear()
+    kept = pipe.generate(shared + [300, 2, 5], config)
+    kept_first = fed[0]
+    pipe.draft.reset()  # the same prompt from an empty draft cache
+    fed.clear()
+    fresh = pipe.generate(shared + [300, 2, 5], config)
+    assert kept_first == fed[0] - len(shared)  # the first draft forward read the prompt's unshared tokens only
+    ar = pipe.generate(shared + [300, 2, 5], GenerationConfig(mode="ar", max_new_tokens=NEW))
+    assert kept.tokens == fresh.tokens == ar.tokens
+    if mode == "sd":
+        assert (kept.stats.drafted, kept.stats.accepted) == (fresh.stats.drafted, fresh.stats.accepted)
+
+
 class FailingBackend:
     """Wraps the real draft backend and raises after ``ok_calls`` calls (a fault, not a mock of the draft)."""
 
