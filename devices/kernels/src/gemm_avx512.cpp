@@ -21,7 +21,10 @@ constexpr int64_t kColumns = 16;  // columns per group
 constexpr int kRows = 8;          // rows per tile (8 float accumulators + 8 weight vectors fit in 32 registers)
 // Every cache line of the block this many blocks ahead is prefetched (~2.5 KB at 4 bits): with several rows the
 // loop body is long, the out-of-order window covers few blocks, and the hardware prefetcher alone left a 5-row
-// tile latency-bound, well above the one-row time, when streaming from memory.
+// tile latency-bound, well above the one-row time, when streaming from memory. Into L2 (T1), not L1: an L1 prefetch
+// holds one of the core's few L1 miss buffers until the line arrives, which capped the stream; on an Intel Xeon VM
+// (Sapphire Rapids class) T1 made a 1536 x 8960 int4 chain 1-6 % faster for one row and 3-9 % for two, and sd on the
+// Qwen pair 7-10 % (docs/lab-notes/performance-log.md, "Packed weights in huge pages"). Distances 4-32 were no better.
 constexpr int64_t kAhead = 8;
 
 inline __m512i broadcast4(const int8_t* q) {  // 4 activation bytes to every 32-bit lane
@@ -63,7 +66,7 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
   const uint8_t* p = panel;
   for (int64_t blk = 0; blk < s.kb; ++blk, p += stride) {
     for (int64_t line = 0; line < stride; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * stride + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * stride + line), _MM_HINT_T1);
     __m512i w[8];
     load_block<BITS>(p, w);
     __m512i d[MT][C];
