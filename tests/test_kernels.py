@@ -262,3 +262,26 @@ def test_packed_weights_share_huge_page_chunks_and_go_back_when_released(lib, mo
     gc.collect()
     after = arena_counts(lib)
     assert after == before, "released parts go back, and a chunk they emptied goes back to the system"
+
+
+def test_a_session_opened_again_takes_the_place_of_the_one_closed(lib, monkeypatch):
+    """Open, run and close the same graph over and over while another session stays open (its parts keep their
+    chunk): what the arena holds from the system does not grow, because a chunk the closed sessions filled goes back
+    when they close (their parts in the shared chunk stay unused until it empties: one chunk at most)."""
+    import gc
+
+    rng = np.random.default_rng(4)
+    # 8 layers of 1024 x 1024 int4 (~0.6 MiB packed each, ~5 MiB a session): 8 sessions would need a second chunk
+    model = model_bytes(random_layers(rng, [1024] * 9, 4), kernels.DOMAIN)
+    a = rng.standard_normal((2, 1024)).astype(np.float32)
+    kept = open_session(model, monkeypatch)
+    expected = run(kept, a)
+    reserved = []
+    for _ in range(8):
+        session = open_session(model, monkeypatch)
+        np.testing.assert_array_equal(run(session, a), expected)
+        del session
+        gc.collect()
+        reserved.append(arena_counts(lib)[1])
+    assert len(set(reserved)) == 1, f"bytes reserved after each reopening: {reserved}"
+    np.testing.assert_array_equal(run(kept, a), expected)
