@@ -264,7 +264,7 @@ def test_packed_weights_share_huge_page_chunks_and_go_back_when_released(lib, mo
     assert after == before, "released parts go back, and a chunk they emptied goes back to the system"
 
 
-def test_a_session_opened_again_takes_the_place_of_the_one_closed(lib, monkeypatch):
+def test_reopening_a_graph_while_another_session_lives_does_not_grow_the_arena(lib, monkeypatch):
     """Open, run and close the same graph over and over while another session stays open (its parts keep their
     chunk): what the arena holds from the system does not grow, because a chunk the closed sessions filled goes back
     when they close (their parts in the shared chunk stay unused until it empties: one chunk at most)."""

@@ -40,7 +40,7 @@ struct Arena {
   }
 
   uint8_t* allocate(size_t bytes) {
-    const size_t padded = (bytes ? bytes : 1) + kAlign - 1 - ((bytes ? bytes : 1) + kAlign - 1) % kAlign;
+    const size_t padded = ((bytes ? bytes : 1) + kAlign - 1) / kAlign * kAlign;  // whole cache lines
     std::lock_guard<std::mutex> lock(mutex);
     if (padded > kChunk / 2) {  // its own chunk, placed before the shared one so that carving goes on there
       Chunk own = reserve(padded);

@@ -97,7 +97,7 @@ void run_task(void* data, size_t task) {
 
 }  // namespace
 
-void FreeDeleter::operator()(uint8_t* p) const { arena_release(p); }
+void ArenaDeleter::operator()(uint8_t* p) const { arena_release(p); }
 
 OrtStatus* Kernel::error(OrtErrorCode code, const std::string& what, const std::string& fix) const {
   const std::string text = "mirrorsd.kern MatMulNBits node '" + node_ + "': " + what + ". Fix: " + fix + ".";

@@ -28,7 +28,7 @@ struct TensorView {
   ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 };
 
-struct FreeDeleter {
+struct ArenaDeleter {
   void operator()(uint8_t* p) const;
 };
 
@@ -51,7 +51,7 @@ class Kernel {
   std::string node_;
   Shape shape_;
   const Path* path_ = nullptr;
-  std::unique_ptr<uint8_t, FreeDeleter> packed_;
+  std::unique_ptr<uint8_t, ArenaDeleter> packed_;
   size_t packed_bytes_ = 0;
   int64_t groups_ = 0;           // column groups of the path's packed layout
   int64_t groups_per_task_ = 1;  // the unit of ParallelFor
