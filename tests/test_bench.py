@@ -34,8 +34,11 @@ def test_bench_reports_every_mode_and_checks_parity(tmp_path, exported, monkeypa
                                    for c in result.ceilings)
     assert "Bandwidth ceiling" in table and "| ar |" in table.split("Bandwidth ceiling")[1]
     checked = {r.mode: r for r in result.latency}  # auto ran, so its profile checks the fixed modes' predictions
-    assert set(checked) == {"ar", "sd", "mirror", "mirror-noexit"}, checked
-    assert all(r.prompts == 2 and r.predicted > 0 and r.measured > 0 for r in checked.values())
+    took_mirror = [any(name.startswith("mirror") for name in [r.stats["auto"]["chosen"], r.stats["auto"]["final"]]
+                       + [s["new"] for s in r.stats["auto"]["switches"]]) for r in result.runs if r.mode == "auto"]
+    assert set(checked) == {"ar", "sd", "mirror", "mirror-noexit"} | ({"auto"} if not all(took_mirror) else set())
+    assert all(r.prompts == 2 and r.predicted > 0 and r.measured > 0 for m, r in checked.items() if m != "auto")
+    assert "auto" not in checked or checked["auto"].prompts == took_mirror.count(False)
     assert "Latency model vs this run" in table and "| sd | 2 |" in table.split("Latency model vs this run")[1]
     paths = write_outputs(result, "cmd")
     assert {r["mode"] for r in json.loads(paths["latency"].read_text())} == set(checked)
@@ -171,12 +174,21 @@ def test_latency_check_prices_each_run_from_its_own_acceptance():
     assert abs(predicted_tps(prefill, "sd", short, 2) - 1.75 / (2 * 0.005 + 0.012 + 0.010 / 4)) < 1e-6
     stop = {"steps": 10, "windows": 10, "drafted": 15, "draft_forwards": 15, "accepted": 9, "prompt_tokens": 10}
     assert abs(predicted_tps(prefill, "sd-stop", stop, 4) - 19 / (5 * 0.011 + 5 * 0.012 + 15 * 0.005 + 0.010)) < 1e-9
+    assert predicted_tps(prefill, "sd-stop-ngram", stop, 4) == predicted_tps(prefill, "sd-stop", stop, 4)
+    # auto: priced by its steps like sd-stop, whatever took them; not when it ran Mirror-SD or another split
+    plan = {"chosen": "sd-stop0.8 g4 2+2", "final": "ngram g4 2+2", "switches": [], "split": "2+2"}
+    assert predicted_tps(prefill, "auto", {**stop, "auto": plan}, 4) == predicted_tps(prefill, "sd-stop", stop, 4)
+    stayed_ar = {**stop, "windows": 0, "drafted": 0, "draft_forwards": 0, "accepted": 0, "auto": plan}
+    assert predicted_tps(prefill, "auto", stayed_ar, 4) == 100.0  # no draft forward: no draft prefill either
+    switched = {**plan, "switches": [{"new": "mirror g2 2+2"}]}
+    assert predicted_tps(prefill, "auto", {**stop, "auto": switched}, 4) is None
+    assert predicted_tps(prefill, "auto", {**stop, "auto": {**plan, "split": "1+1"}}, 4) is None
 
     def run(mode, decode, **stats):
         return SimpleNamespace(mode=mode, stats={"decode_tokens_per_second": decode, **stats})
 
     rows = check(costs, [run("ar", 80.0, steps=5), run("ar", 100.0, steps=5), run("sd", 100.0, **sd),
-                         run("auto", 1.0, steps=5)], 2)
+                         run("auto", 1.0, steps=5, auto={"chosen": "mirror g2 2+2"})], 2)
     assert [(r.mode, r.prompts) for r in rows] == [("ar", 2), ("sd", 1)]
     assert abs(rows[0].error - (-0.10)) < 1e-9 and rows[1].error > 0.2
     text = "\n".join(markdown_lines(rows, "2+2"))

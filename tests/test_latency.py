@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from mirrorsd.runtime.planner.latency import (Acceptance, SplitCosts, Strategy, alpha_from_mean_accepted,
-                                              expected_tokens, predict, rank, step_time)
+                                              exit_arrival_s, expected_tokens, predict, rank, step_time)
+from mirrorsd.runtime.planner.sharing import mirror_timeline
 
 COSTS = SplitCosts(target_threads=2, draft_threads=2,
                    verify_s=(0.036, 0.040, 0.041, 0.042, 0.0435), exit_s=(0.002, 0.002, 0.003, 0.003, 0.004),
@@ -94,16 +95,44 @@ def test_startup_cost_is_spread_over_a_generation():
 
 
 def test_mirror_waits_for_the_exit_when_the_prefix_is_known():
-    """With prefix times, the first branch batch starts when the exit's message arrives: E = c_target * (prefix +
-    exit); F = max(c_draft * draft1, E) + c_draft * g * branch_fwd."""
+    """With prefix times, the first branch batch starts when the exit's message arrives, and the target computes
+    alone while the draft waits for it (processor sharing, planner/sharing.py)."""
     costs = SplitCosts(**{**COSTS.__dict__, "prefix_s": (0.010, 0.015, 0.020, 0.025, 0.030)})
-    # g4: V = 71.25 ms as above; E = 1.5 * (30 + 4) = 51 ms > 1.25 * 12 = 15 ms; F = 51 + 1.25 * 4 * 14 = 121 ms;
-    # a hit waits (121 - 71.25) / 1.25 = 39.8 ms; a miss waits 7 + 48 ms
+    # g4: the target's work is 43.5 + 4 = 47.5 ms, 30 + 4 = 34 ms of it before the exit's message. Both compute
+    # until the draft's forward ends at 1.25 * 12 = 15 ms (the target has done 15 / 1.5 = 10 ms); the target alone
+    # does the other 24 ms of its prefix: E = 39 ms. Both again: the target's last 13.5 ms take 20.25 ms, V = 59.25 ms,
+    # while the draft does 16.2 ms of its 56 ms batch; the other 39.8 ms it does alone after the verdict (the hit
+    # wait). A miss waits 7 + 48 ms. reuse 0.6.
     assert step_time(costs, Strategy("mirror", 4), HALF) == pytest.approx(
-        0.07125 + 0.6 * 0.0398 + 0.4 * (0.007 + 0.048))
+        0.05925 + 0.6 * 0.0398 + 0.4 * (0.007 + 0.048))
+    assert exit_arrival_s(costs, 4) == pytest.approx(0.039)
     # without the exit head nothing is waited for: the same as without prefix times
     assert step_time(costs, Strategy("mirror", 4, exit_head=False), HALF) == pytest.approx(
         step_time(COSTS, Strategy("mirror", 4, exit_head=False), HALF))
+
+
+def test_sharing_without_contention_is_the_serial_schedule():
+    """c = 1: the verdict is the target's work, the first batch ends at max(draft1, E) + batch."""
+    timeline = mirror_timeline(target_s=0.050, gate_s=0.020, draft_one_s=0.012, batch_s=0.040)
+    assert (timeline.exit_s, timeline.verdict_s, timeline.batch_s) == pytest.approx((0.020, 0.050, 0.060))
+    late = mirror_timeline(target_s=0.050, gate_s=0.005, draft_one_s=0.012, batch_s=0.040)
+    assert late.batch_s == pytest.approx(0.052)  # the draft's own forward ends after the exit's message
+
+
+def test_sharing_slows_only_the_time_both_compute():
+    """A draft idle most of the verification slows the target only while it computes; a busy one all along."""
+    # gate 40 ms of 50: both compute until the draft's 10 ms forward ends at 20 ms (target: 10 ms done at c 2);
+    # the target alone does 30 ms more (E = 50 ms); both again: its last 10 ms take 20 ms (V = 70 ms), the draft
+    # does 10 of its 30 ms batch meanwhile and the other 20 ms alone (F = 90 ms)
+    idle = mirror_timeline(0.050, 0.040, 0.010, 0.030, c_target=2.0, c_draft=2.0)
+    assert (idle.exit_s, idle.verdict_s, idle.batch_s) == pytest.approx((0.050, 0.070, 0.090))
+    # no wait for the exit: the draft's forward and batch (40 ms of work) run beside the target all along, and the
+    # further batches after it keep the target slowed until the verdict: V = 2 * 50 ms
+    busy = mirror_timeline(0.050, 0.0, 0.010, 0.030, c_target=2.0, c_draft=2.0)
+    assert (busy.exit_s, busy.verdict_s, busy.batch_s) == pytest.approx((0.0, 0.100, 0.080))
+    # the old one-factor model (c_target on the whole verification) is the upper bound of the verdict
+    for gate in (0.0, 0.01, 0.03, 0.05):
+        assert mirror_timeline(0.050, gate, 0.010, 0.030, 2.0, 2.0).verdict_s <= 2.0 * 0.050 + 1e-12
 
 
 EXIT = SplitCosts(target_threads=1, draft_threads=1, verify_s=(0.040,) * 3, exit_s=(0.002,) * 3,

@@ -6,7 +6,8 @@ be trusted on this machine. Only the acceptance comes from the run (per prompt: 
 mean accepted tokens, mirror's reuse rate, ngram's copied windows); every cost comes from the profile, measured
 before the run. Mode ngram's replay widths are not in a run's statistics, so its windows are priced at their mean
 width (the verify cost interpolated between the two row counts around it); so are sd-stop's (sd with a
-draft-confidence stop, whose windows vary in length), plus the run's draft forwards. sd's start-up (the draft's
+draft-confidence stop, whose windows vary in length; with or without n-gram lookahead), plus the run's draft
+forwards; so is mode auto's mix of those strategies (a run of auto that took Mirror-SD is not priced). sd's start-up (the draft's
 prefill of the prompt, in its first step) is spread over the run's steps as mode auto spreads it
 (latency.startup_s): on a 20-token answer it is a large share of the decode time, and a check without it put sd
 13-22 % under its prediction on 2026-12-03 where the per-step costs were right within 5 %.
@@ -19,7 +20,8 @@ from mirrorsd.runtime.planner.latency import (Acceptance, SplitCosts, Strategy, 
                                               predict)
 
 CHECKED = {"ar": ("ar", True), "sd": ("sd", True), "mirror": ("mirror", True), "mirror-noexit": ("mirror", False),
-           "ngram": ("ngram", True), "sd-stop": ("sd-stop", True)}  # bench mode -> (latency-model mode, exit head)
+           "ngram": ("ngram", True), "sd-stop": ("sd-stop", True), "sd-stop-ngram": ("sd-stop", True),
+           "auto": ("auto", True)}  # bench mode -> (latency-model mode, exit head)
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,26 @@ def predicted_tps(costs: SplitCosts, mode: str, stats: dict, gamma: int) -> floa
         return _windows_tps(costs, stats)
     if kind == "sd-stop":
         return _windows_tps(costs, stats, costs.draft1_s, costs.draft_prefill_s * stats.get("prompt_tokens", 0))
+    if kind == "auto":
+        return _auto_tps(costs, stats)
     g = min(gamma, costs.max_gamma)
     alpha = alpha_from_mean_accepted(stats["mean_accepted_tokens"], g)
     reuse = stats.get("reuse_rate", 0.0)
     strategy = Strategy(kind, g, exit_head=exit_head, streaming=bool(costs.stream_window_s))
     return predict(costs, strategy, Acceptance(alpha, reuse, reuse, "bench run"), context=stats.get("prompt_tokens", 0),
                    new_tokens=stats.get("new_tokens", 0)).tokens_per_second
+
+
+def _auto_tps(costs: SplitCosts, stats: dict) -> float | None:
+    """Mode auto priced like sd-stop: its steps whatever strategy took them (ar, sd with or without a stop, ngram),
+    with the run's draft forwards and, when it drafted, the draft's prefill. None when it ran Mirror-SD (whose
+    steps overlap two models and are not priced by windows) or on another split than ``costs``."""
+    report = stats.get("auto") or {}
+    used = [report.get("chosen", ""), report.get("final", "")] + [s.get("new", "") for s in report.get("switches", [])]
+    if any(name.startswith("mirror") for name in used) or report.get("split", costs.split) != costs.split:
+        return None
+    prefill = costs.draft_prefill_s * stats.get("prompt_tokens", 0) if stats.get("draft_forwards", 0) else 0.0
+    return _windows_tps(costs, stats, costs.draft1_s, prefill)
 
 
 def _windows_tps(costs: SplitCosts, stats: dict, draft_s: float = 0.0, startup_s: float = 0.0) -> float:

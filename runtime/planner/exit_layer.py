@@ -4,7 +4,8 @@ The target's layers are the same whatever L is, so a verification costs the same
 
     prefix(L)  = prefix(L0) * L / L0          decoder layers are uniform (the embedding lookup is free); L0 is the
                                               layer the profile was measured at (its export's exit layer)
-    arrival(L) = c_target * (prefix(L) + exit)  when the exit's message reaches the draft (latency.exit_arrival_s)
+    arrival(L) = when the exit's message reaches the draft: prefix(L) + exit of the target's work, slowed
+                 while the draft's first forward runs beside it (latency.exit_arrival_s)
     reuse(L)   = reuse_noexit + (reuse(L0) - reuse_noexit) * hit(L) / hit(L0)
 
 A deeper exit names the target's token more often (hit(L), e.g. the trained top-4 of mirrorsd-exit-sweep)
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts, Strategy, predict
+from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts, Strategy, exit_arrival_s, predict
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def exit_layer_table(costs: SplitCosts, acceptance: Acceptance, hits: dict[int, 
         best = max((predict(cut, Strategy("mirror", g), here) for g in gammas if g <= costs.max_gamma),
                    key=lambda p: p.tokens_per_second)
         g = best.strategy.gamma
-        arrival = cut.c_target * (cut.prefix_s[g] + cut.exit_s[g])
+        arrival = exit_arrival_s(cut, g)
         rows.append(ExitLayerRow(layer, hit, reuse, g, arrival, best.step_s, best.tokens_per_second))
     return sorted(rows, key=lambda r: (-round(r.tokens_per_second, 9), r.layer))
 

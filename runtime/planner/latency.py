@@ -24,21 +24,25 @@ contention terms and the worker's real schedule):
              at t   the windows auto's sd drafted, cut where a stop at t would have ended them: length L <= gamma)
     ngram    T = sum over replayed steps of verify(w) / steps                     tokens / steps (planner/lookup.py:
                                                                            mode ngram replayed on the text itself)
-    mirror   V = c_target * (verify(g + 1) + exit(g + 1))   the target verifies while the draft rolls out:
-             E = c_target * (prefix(g + 1) + exit(g + 1))   the early exit's message arrives (with the exit head;
-                                                            0 without it, or when the profile has no prefix times)
-             F = max(c_draft * draft1, E) + c_draft * g * branch_fwd   one forward on the window's last token;
-                                                            then, once the exit has ranked them, the first batch of
-                                                            branches (the likeliest ones) ends at F
-             hit:  V + wait, wait = (F - V) / c_draft when the first batch is still running at the verdict (the
-                   hit branch is finished, alone now), else 0.5 * branch_fwd (the forward under way)
+    mirror   the two models share the machine (planner/sharing.py): while both compute, the target runs
+             c_target times slower than alone and the draft c_draft times; while one computes, it runs at full
+             speed. The target verifies (verify(g + 1), + exit(g + 1) with the exit head); the draft makes one
+             forward on the window's last token, waits (exit head on) for the exit's message, which leaves after
+             prefix(g + 1) + exit(g + 1) of the target's work, then rolls out its first batch of branches (the
+             likeliest, g * branch_fwd) and further batches until the verdict. V: the verdict; F: the first batch
+             done (both from that timeline; with c = 1 and no idle stretch, V = verify + exit and F = max(draft1,
+             E) + g * branch_fwd)
+             hit:  V + wait, wait = F - V when the first batch still runs at the verdict (alone from then on),
+                   else 0.5 * branch_fwd (the forward under way)
              miss: V + 0.5 * branch_fwd + g * draft1        (the fallback window is drafted after the verdict)
              T = reuse * hit + (1 - reuse) * miss                                  E[A + 1] tokens per step
 
     E[A + 1] = (1 - alpha^(gamma + 1)) / (1 - alpha)    (acceptance independent per position)
 
 The draft in mirror runs under the target, so its cost shows up as contention, as the wait for an unfinished
-branch and as the miss term, not as gamma * draft1.
+branch and as the miss term, not as gamma * draft1. The contention counts only while both compute: with the exit
+head the draft idles until the exit's message, and a factor on the whole verification predicted Mirror-SD 30 %
+slower than it ran on a 2-core Intel Xeon.
 
 Over one generation (``predict(..., context=P, new_tokens=N)``) a start-up cost is spread over its N / E[A + 1]
 steps: sd prefills the draft with the P context tokens in its first step (draft_prefill * P); mirror's worker does
@@ -50,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from mirrorsd.runtime.planner.lookup import LookupCounts
+from mirrorsd.runtime.planner.sharing import MirrorTimeline, mirror_timeline
 from mirrorsd.runtime.planner.stops import THRESHOLDS, StopCounts, stop_at
 
 MODES = ("ar", "sd", "mirror", "ngram")
@@ -202,21 +207,31 @@ def step_time(costs: SplitCosts, strategy: Strategy, acceptance: Acceptance) -> 
 def mirror_step(costs: SplitCosts, gamma: int, exit_head: bool, reuse: float, window_s: float) -> float:
     """Mirror-SD's step time (module docstring): the verification under contention, then the wait for the hit
     branch (probability ``reuse``) or the fallback window of ``window_s`` seconds."""
-    verify = costs.c_target * (costs.verify_s[gamma] + (costs.exit_s[gamma] if exit_head else 0.0))
-    start = exit_arrival_s(costs, gamma) if exit_head else 0.0  # the worker ranks its first batch with the exit
-    first_batch = max(costs.c_draft * costs.draft1_s, start) + costs.c_draft * gamma * costs.branch_fwd_s
-    hit_wait = (first_batch - verify) / costs.c_draft if first_batch > verify else 0.5 * costs.branch_fwd_s
+    timeline = mirror_timeline_of(costs, gamma, exit_head)
+    if timeline.batch_s > timeline.verdict_s:  # the first batch still runs at the verdict, alone from then on
+        hit_wait = timeline.batch_s - timeline.verdict_s
+    else:
+        hit_wait = 0.5 * costs.branch_fwd_s  # the forward under way
     miss_wait = 0.5 * costs.branch_fwd_s + window_s
     host = costs.mirror_host_s[0 if exit_head else 1] if len(costs.mirror_host_s) == 2 else 0.0
-    return verify + reuse * hit_wait + (1.0 - reuse) * miss_wait + host
+    return timeline.verdict_s + reuse * hit_wait + (1.0 - reuse) * miss_wait + host
+
+
+def mirror_timeline_of(costs: SplitCosts, gamma: int, exit_head: bool) -> MirrorTimeline:
+    """One Mirror-SD step of ``costs`` at window ``gamma`` as the two models share the machine (planner/sharing.py):
+    the draft's first batch waits for the exit's message only with the exit head and known prefix times."""
+    target = costs.verify_s[gamma] + (costs.exit_s[gamma] if exit_head else 0.0)
+    gate = costs.prefix_s[gamma] + costs.exit_s[gamma] if exit_head and len(costs.prefix_s) > gamma else 0.0
+    return mirror_timeline(target, gate, costs.draft1_s, gamma * costs.branch_fwd_s, costs.c_target, costs.c_draft)
 
 
 def exit_arrival_s(costs: SplitCosts, gamma: int) -> float:
     """Seconds after a verification of gamma + 1 rows starts until the early exit's message reaches the draft: the
-    prefix and the exit head, under contention (0 when the profile has no prefix times)."""
+    prefix and the exit head, sharing the machine with the draft's first forward (0 when the profile has no prefix
+    times)."""
     if len(costs.prefix_s) <= gamma:
         return 0.0
-    return costs.c_target * (costs.prefix_s[gamma] + costs.exit_s[gamma])
+    return mirror_timeline_of(costs, gamma, True).exit_s
 
 
 def _window_s(costs: SplitCosts, gamma: int, streaming: bool) -> float:
