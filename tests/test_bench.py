@@ -193,3 +193,11 @@ def test_latency_check_prices_each_run_from_its_own_acceptance():
     assert abs(rows[0].error - (-0.10)) < 1e-9 and rows[1].error > 0.2
     text = "\n".join(markdown_lines(rows, "2+2"))
     assert "| ar | 2 | 100.00 | 90.00 | -10% |" in text and "(outside)" in text.split("| sd |")[1]
+    # auto on its own pipeline is priced with that pipeline's split, and the table says which
+    shared = SplitCosts(**{**costs.__dict__, "shared_pool": True, "verify_s": (0.005, 0.006, 0.007, 0.008)})
+    own = {"steps": 4, "windows": 0, "drafted": 0, "accepted": 0, "auto": {"chosen": "ar 2 shared", "final":
+           "ar 2 shared", "switches": [], "split": shared.split}}
+    rows = check(costs, [run("auto", 150.0, **own)], 2, auto_costs=shared)
+    assert [(r.mode, r.split, r.predicted) for r in rows] == [("auto", "2 shared", 200.0)]
+    assert "| auto (2 shared) | 1 | 200.00 | 150.00 | -25% (outside) |" in "\n".join(markdown_lines(rows, "2+2"))
+    assert check(costs, [run("auto", 150.0, **own)], 2) == []  # its split's costs not given: not priced

@@ -70,6 +70,7 @@ class BenchResult:
     ceilings: list = field(default_factory=list)  # mirrorsd.apps.bandwidth.Ceiling per thread count
     chat: bool = True  # prompts through the export's chat template; False: raw completion (it has none)
     costs: object = None  # the profile's SplitCosts of the fixed modes' pipeline (measured when auto runs)
+    auto_costs: object = None  # the SplitCosts of the split mode auto ran on (its own pipeline's profile)
     latency: list = field(default_factory=list)  # latency_check.CheckRow per fixed mode: predicted vs measured
 
 
@@ -173,7 +174,7 @@ def run_bench(options: BenchOptions, progress=True) -> BenchResult:
     if result.costs is not None:
         from mirrorsd.apps.latency_check import check
 
-        result.latency = check(result.costs, result.runs, options.gamma)
+        result.latency = check(result.costs, result.runs, options.gamma, result.auto_costs)
     result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     return result
 
@@ -294,6 +295,8 @@ def _own_pass(options: BenchOptions, modes: list[str], questions: list[Question]
         if runs_auto(modes):  # auto plans from the profile anyway: check its latency model against the fixed modes
             pipe.profile()
             result.costs = pipe.planner.costs(pipe.thread_key)
+            if auto_pipe.planner.loaded is not None:
+                result.auto_costs = auto_pipe.planner.costs(auto_pipe.thread_key)
     return outs, prompt_ids, manifest
 
 

@@ -30,6 +30,7 @@ class CheckRow:
     prompts: int
     predicted: float  # mean over prompts of the predicted decode tokens/s
     measured: float  # mean over prompts of the measured decode tokens/s
+    split: str = ""  # the split whose costs priced it, when not the table's (mode auto on its own pipeline)
 
     @property
     def error(self) -> float:
@@ -86,16 +87,18 @@ def _windows_tps(costs: SplitCosts, stats: dict, draft_s: float = 0.0, startup_s
     return tokens / seconds
 
 
-def check(costs: SplitCosts, runs: list, gamma: int) -> list[CheckRow]:
-    """One row per checked mode present in ``runs`` (bench PromptRun objects)."""
+def check(costs: SplitCosts, runs: list, gamma: int, auto_costs: SplitCosts | None = None) -> list[CheckRow]:
+    """One row per checked mode present in ``runs`` (bench PromptRun objects); mode auto priced with
+    ``auto_costs``, the split it ran on, when given."""
     rows = []
     for mode in CHECKED:
-        pairs = [(predicted_tps(costs, mode, r.stats, gamma), r.stats["decode_tokens_per_second"])
+        here = auto_costs if mode == "auto" and auto_costs is not None else costs
+        pairs = [(predicted_tps(here, mode, r.stats, gamma), r.stats["decode_tokens_per_second"])
                  for r in runs if r.mode == mode]
         pairs = [(p, m) for p, m in pairs if p is not None]
         if pairs:
             rows.append(CheckRow(mode, len(pairs), sum(p for p, _ in pairs) / len(pairs),
-                                 sum(m for _, m in pairs) / len(pairs)))
+                                 sum(m for _, m in pairs) / len(pairs), "" if here is costs else here.split))
     return rows
 
 
@@ -107,6 +110,7 @@ def markdown_lines(rows: list[CheckRow], split: str, limit: float = 0.15) -> lis
              "| mode | prompts | predicted decode tok/s | measured decode tok/s | error |", "|---|---|---|---|---|"]
     for row in rows:
         flag = "" if abs(row.error) <= limit else " (outside)"
-        lines.append(f"| {row.mode} | {row.prompts} | {row.predicted:.2f} | {row.measured:.2f} | "
+        name = f"{row.mode} ({row.split})" if row.split else row.mode
+        lines.append(f"| {name} | {row.prompts} | {row.predicted:.2f} | {row.measured:.2f} | "
                      f"{row.error:+.0%}{flag} |")
     return lines
