@@ -170,3 +170,19 @@ def test_exit_layer_needs_the_prefix_time():
 
     with pytest.raises(ValueError, match="prefix_s"):
         exit_layer_table(COSTS, HALF, {7: 0.2, 14: 0.4}, base_layer=14)
+
+
+def test_sharing_bounds_on_random_steps():
+    """Whatever the costs: the verdict lies between the target's work alone and c_target times it, the first batch
+    ends no sooner than the draft's work alone and the exit's message, and the message leaves before the verdict."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(500):
+        target, draft_one, batch = rng.uniform(0.001, 0.1), rng.uniform(0.0, 0.05), rng.uniform(0.0, 0.2)
+        gate = rng.choice([0.0, rng.uniform(0.0, target)])
+        c_target, c_draft = rng.uniform(1.0, 4.0), rng.uniform(1.0, 4.0)
+        t = mirror_timeline(target, gate, draft_one, batch, c_target, c_draft)
+        assert target - 1e-9 <= t.verdict_s <= c_target * target + 1e-9
+        assert t.batch_s >= draft_one + batch - 1e-9 and t.batch_s >= t.exit_s + batch - 1e-9
+        assert gate - 1e-9 <= t.exit_s <= t.verdict_s + 1e-9
