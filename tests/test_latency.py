@@ -63,6 +63,24 @@ def test_rank_picks_ar_for_a_useless_draft_and_speculation_for_a_perfect_one():
     assert table.best_of("mirror").tokens_per_second > table.best_of("sd").tokens_per_second
 
 
+def test_a_draft_that_commits_one_token_per_step_never_ranks_above_ar():
+    """A drafted strategy predicted to commit one token per step does ar's work plus the draft's: whatever its costs
+    say, it goes after ar (costs a hundred times too cheap here, as a correction measured on longer windows can make
+    them); with acceptance above zero the same costs rank it first."""
+    from mirrorsd.runtime.planner.auto import corrected
+
+    cheap = SplitCosts(**{**COSTS.__dict__, "verify_s": (COSTS.verify_s[0], *(v / 100 for v in COSTS.verify_s[1:])),
+                          "draft1_s": COSTS.draft1_s / 100, "branch_fwd_s": COSTS.branch_fwd_s / 100})
+    useless = rank([cheap], Acceptance(alpha=0.0, reuse=0.0))
+    assert useless.best.strategy.mode == "ar"
+    sd1 = useless.best_of("sd")
+    assert sd1.tokens_per_step == 1.0 and sd1.tokens_per_second > useless.best.tokens_per_second
+    assert rank([cheap], Acceptance(alpha=0.5, reuse=0.0)).best.strategy.mode in ("sd", "mirror")
+    # auto's correction: an untried sd takes the factor measured on another strategy; at alpha 0 ar stays first
+    fair = rank([COSTS], Acceptance(alpha=0.0, reuse=0.0))
+    assert corrected(fair, {Strategy("sd", 6, split="2+2", confidence=0.8): 0.01}).best.strategy.mode == "ar"
+
+
 def test_rank_compares_thread_splits():
     one = SplitCosts(**{**COSTS.__dict__, "target_threads": 1, "draft_threads": 1,
                         "verify_s": tuple(2 * v for v in COSTS.verify_s), "c_target": 1.0, "c_draft": 1.0})

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mirrorsd.runtime.planner.ar_probe import PROBE_STEPS, ArProbe, leave_ar, speculation_can_pay
-from mirrorsd.runtime.planner.latency import (MODES, Acceptance, Prediction, SplitCosts, Strategy, Table,
-                                              alpha_from_mean_accepted, expected_tokens, rank)
+from mirrorsd.runtime.planner.latency import (Acceptance, Prediction, SplitCosts, Strategy, Table,
+                                              alpha_from_mean_accepted, expected_tokens, fastest_first, rank)
 from mirrorsd.runtime.planner.lookup import LookupCounts, LookupReplay
 from mirrorsd.runtime.planner.stops import StopReplay, add, prefer, shortfall
 from mirrorsd.runtime.rollout import Window
@@ -159,9 +159,7 @@ def corrected(table: Table, step_factor: dict[Strategy, float]) -> Table:
     rows = [Prediction(r.strategy, r.step_s * step_factor.get(r.strategy, untried.get(r.strategy.mode, 1.0)),
                        r.tokens_per_step)
             for r in table.rows]
-    order = {m: i for i, m in enumerate(MODES)}
-    rows.sort(key=lambda p: (-round(p.tokens_per_second, 9), order[p.strategy.mode], p.strategy.gamma))
-    return replace(table, rows=tuple(rows))
+    return replace(table, rows=tuple(fastest_first(rows)))
 
 
 def why(table: Table) -> str:

@@ -315,7 +315,7 @@ def candidates(costs: SplitCosts, gammas: tuple[int, ...] | None = None, streami
 
 def rank(splits: list[SplitCosts], acceptance: Acceptance, gammas: tuple[int, ...] | None = None,
          streaming: bool = False, context: int = 0, new_tokens: int = 0, current: Strategy | None = None) -> Table:
-    """Predict every candidate on every split; fastest first (ties keep the simpler strategy first: ar, then sd).
+    """Predict every candidate on every split; fastest first (fastest_first).
     With ``new_tokens``: for a generation of that many tokens after ``context`` tokens; ``current`` is the
     strategy running now (a re-plan: any other one starts from scratch, the current one does not)."""
     rows = []
@@ -323,6 +323,14 @@ def rank(splits: list[SplitCosts], acceptance: Acceptance, gammas: tuple[int, ..
         for s in candidates(c, gammas, streaming and bool(c.stream_window_s), acceptance):
             running = current is not None and replace(s, split="") == replace(current, split="")
             rows.append(predict(c, s, acceptance, 0 if running else context, new_tokens, current is not None))
+    return Table(tuple(fastest_first(rows)), acceptance)
+
+
+def fastest_first(rows: list[Prediction]) -> list[Prediction]:
+    """``rows`` fastest first; ties keep the simpler strategy first (ar, then sd). A strategy that runs the draft
+    (sd, mirror) but is predicted to commit no more than one token per step goes after every other one whatever its
+    predicted speed: its step is ar's (one target pass, one token) plus the draft's work, so a prediction that puts
+    it ahead of ar comes from wrong costs (e.g. a correction measured on longer windows, planner/auto.corrected)."""
     order = {m: i for i, m in enumerate(MODES)}
-    rows.sort(key=lambda p: (-round(p.tokens_per_second, 9), order[p.strategy.mode], p.strategy.gamma))
-    return Table(tuple(rows), acceptance)
+    return sorted(rows, key=lambda p: (p.strategy.mode in ("sd", "mirror") and p.tokens_per_step <= 1.0 + 1e-9,
+                                       -round(p.tokens_per_second, 9), order[p.strategy.mode], p.strategy.gamma))
