@@ -190,6 +190,13 @@ def test_exit_layer_needs_the_prefix_time():
         exit_layer_table(COSTS, HALF, {7: 0.2, 14: 0.4}, base_layer=14)
 
 
+def test_sharing_gives_up_on_costs_that_are_not_finite():
+    """A timeline of infinite or NaN costs is infinite (the strategy ranks last), never an endless loop."""
+    for bad in (float("inf"), float("nan")):
+        assert mirror_timeline(0.05, 0.02, bad, 0.03, 2.0, 2.0).verdict_s == float("inf")
+        assert mirror_timeline(0.05, 0.02, 0.01, 0.03, bad, 2.0).batch_s == float("inf")
+
+
 def test_sharing_bounds_on_random_steps():
     """Whatever the costs: the verdict lies between the target's work alone and c_target times it, the first batch
     ends no sooner than the draft's work alone and the exit's message, and the message leaves before the verdict."""

@@ -50,6 +50,10 @@ def test_profile_json_is_strict():
         profiles.from_json({**good, "splits": [{**split, "gpu": 1}]})
     with pytest.raises(ProfileError, match="contention"):
         profiles.from_json({**good, "splits": [{**split, "c_target": 0.5}]})
+    with pytest.raises(ProfileError, match="contention"):  # (JSON as Python writes it can hold Infinity)
+        profiles.from_json({**good, "splits": [{**split, "c_draft": float("inf")}]})
+    with pytest.raises(ProfileError, match="seconds"):
+        profiles.from_json({**good, "splits": [{**split, "draft1_s": float("inf")}]})
     with pytest.raises(ProfileError, match="one entry per window width"):
         profiles.from_json({**good, "splits": [{**split, "exit_s": [0.01]}]})
     with pytest.raises(ProfileError, match="incomplete"):

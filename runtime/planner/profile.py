@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field, fields
@@ -137,15 +138,16 @@ def _check_costs(costs: SplitCosts, where: str) -> None:
     if len(costs.verify_s) < 2 or len(costs.exit_s) != len(costs.verify_s):
         raise ProfileError(f"{where}: verify_s and exit_s need one entry per window width 1 .. gamma + 1",
                            f"got {len(costs.verify_s)} and {len(costs.exit_s)}", "see docs/profile.md")
-    if any(not isinstance(t, (int, float)) or not t >= 0 for t in times) or costs.verify_s[0] <= 0:
+    if any(not isinstance(t, (int, float)) or not 0 <= t < math.inf for t in times) or costs.verify_s[0] <= 0:
         raise ProfileError(f"{where}: every time must be a number of seconds >= 0", "a step cannot take less",
                            "fix the file")
     if costs.prefix_s and (len(costs.prefix_s) != len(costs.verify_s) or any(
             not isinstance(p, (int, float)) or not 0 <= p <= v for p, v in zip(costs.prefix_s, costs.verify_s))):
         raise ProfileError(f"{where}: prefix_s needs one time per window width, each within verify_s",
                            "the prefix is part of the verification", "fix the file, or leave prefix_s out")
-    if not costs.c_target >= 1.0 or not costs.c_draft >= 1.0:
-        raise ProfileError(f"{where}: contention factors are >= 1", "1.0 means no slowdown", "fix the file")
+    if not 1.0 <= costs.c_target < math.inf or not 1.0 <= costs.c_draft < math.inf:
+        raise ProfileError(f"{where}: contention factors are finite numbers >= 1", "1.0 means no slowdown",
+                           "fix the file")
 
 
 def load(path: Path) -> Profile:
