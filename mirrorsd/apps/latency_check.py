@@ -7,8 +7,8 @@ mean accepted tokens, mirror's reuse rate, ngram's copied windows); every cost c
 before the run. Mode ngram's replay widths are not in a run's statistics, so its windows are priced at their mean
 width (the verify cost interpolated between the two row counts around it); so are sd-stop's (sd with a
 draft-confidence stop, whose windows vary in length; with or without n-gram lookahead), plus the run's draft
-forwards; so is mode auto's mix of those strategies (a run of auto that took Mirror-SD is not priced). sd's start-up (the draft's
-prefill of the prompt, in its first step) is spread over the run's steps as mode auto spreads it
+forwards; so is mode auto's mix of those strategies (a run of auto that took Mirror-SD is not priced). sd's start-up
+(the draft's prefill of the prompt, in its first step) is spread over the run's steps as mode auto spreads it
 (latency.startup_s): on a 20-token answer it is a large share of the decode time, and a check without it put sd
 13-22 % under its prediction on 2026-12-03 where the per-step costs were right within 5 %.
 """
