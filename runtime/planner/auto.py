@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mirrorsd.runtime.planner.ar_probe import PROBE_STEPS, ArProbe, leave_ar, speculation_can_pay
-from mirrorsd.runtime.planner.latency import (Acceptance, Prediction, SplitCosts, Strategy, Table,
+from mirrorsd.runtime.planner.latency import (DRAFTED, Acceptance, Prediction, SplitCosts, Strategy, Table,
                                               alpha_from_mean_accepted, expected_tokens, fastest_first, rank)
 from mirrorsd.runtime.planner.lookup import LookupCounts, LookupReplay
 from mirrorsd.runtime.planner.stops import StopReplay, add, prefer, shortfall
@@ -138,7 +138,6 @@ def plan_table(costs: SplitCosts, acceptance: Acceptance, streaming: bool = Fals
 
 WIDE = ("sd", "mirror", "ngram")  # the modes that verify windows of several rows: they share that cost (and the draft's)
 TARGET_ONLY = ("ar", "ngram")  # the modes whose step is the target alone (no draft forward)
-DRAFTED = ("sd", "mirror")  # the modes that run the draft
 
 
 def corrected(table: Table, step_factor: dict[Strategy, float]) -> Table:

@@ -58,6 +58,7 @@ from mirrorsd.runtime.planner.sharing import MirrorTimeline, mirror_timeline
 from mirrorsd.runtime.planner.stops import THRESHOLDS, StopCounts, stop_at
 
 MODES = ("ar", "sd", "mirror", "ngram")
+DRAFTED = ("sd", "mirror")  # the modes that run the draft
 MIN_LOOKUP_STEPS = 8  # replayed ngram steps (planner/lookup.py) before ngram is ranked at all
 ALPHA_CAP = 0.999  # an acceptance of exactly 1 makes E[A+1] a 0/0 limit; the cap keeps it finite (= gamma + 1)
 
@@ -332,5 +333,5 @@ def fastest_first(rows: list[Prediction]) -> list[Prediction]:
     predicted speed: its step is ar's (one target pass, one token) plus the draft's work, so a prediction that puts
     it ahead of ar comes from wrong costs (e.g. a correction measured on longer windows, planner/auto.corrected)."""
     order = {m: i for i, m in enumerate(MODES)}
-    return sorted(rows, key=lambda p: (p.strategy.mode in ("sd", "mirror") and p.tokens_per_step <= 1.0 + 1e-9,
+    return sorted(rows, key=lambda p: (p.strategy.mode in DRAFTED and p.tokens_per_step <= 1.0 + 1e-9,
                                        -round(p.tokens_per_second, 9), order[p.strategy.mode], p.strategy.gamma))
