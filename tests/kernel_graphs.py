@@ -71,6 +71,36 @@ def quantize_asymmetric(w: np.ndarray, bits: int, bias: np.ndarray | None = None
     return Layer(B, scales.reshape(-1), np.ascontiguousarray(dequantized), bias, bits, zero_points.reshape(-1))
 
 
+def quantize_q4k(w: np.ndarray, bias: np.ndarray | None = None, constant_blocks: int = 0,
+                 largest: int = 63) -> Layer:
+    """w [K, N] (K a multiple of 256) as a GGUF Q4_K tensor carried into MatMulNBits (export/gguf_blocks.py): per
+    column and super-block of 256 weights an fp16 d and dmin, per block of 32 a 6-bit sc and m (the super-block's
+    largest sc and m equal to ``largest``: 63 as GGUF's quantizer makes them), scale d * sc, offset dmin * m, codes
+    round((w + offset) / scale), zero point offset / scale. ``constant_blocks``: the first that many blocks get sc = 0
+    (all-constant blocks: codes 0, scale = offset, zero point 1)."""
+    from mirrorsd.export.gguf_blocks import pack, with_zero_points
+
+    K, N = w.shape
+    kb = K // BLOCK
+    blocks = w.T.reshape(N, kb, BLOCK).astype(np.float32)
+    low = np.minimum(blocks.min(axis=2), 0.0)
+    spans = (blocks.max(axis=2) - low) / 15  # [N, kb]
+    d = (spans.reshape(N, kb // 8, 8).max(axis=2) / largest).astype(np.float16).astype(np.float32)
+    dmin = ((-low).reshape(N, kb // 8, 8).max(axis=2) / largest).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(spans.reshape(N, kb // 8, 8) / np.where(d > 0, d, 1)[..., None]), 0, largest)
+    m = np.clip(np.rint((-low).reshape(N, kb // 8, 8) / np.where(dmin > 0, dmin, 1)[..., None]), 0, largest)
+    sc.reshape(-1)[:constant_blocks] = 0
+    scales = (d[..., None] * sc.astype(np.float32)).reshape(N, kb)
+    offsets = (dmin[..., None] * m.astype(np.float32)).reshape(N, kb)
+    safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
+    codes = np.clip(np.rint((blocks + offsets[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
+    codes, scales, zero_points = with_zero_points(codes, scales, offsets)
+    exact = (codes - zero_points[..., None].astype(np.float64)) * scales[..., None]
+    dequantized = exact.astype(np.float32).reshape(N, K).T
+    return Layer(pack(codes, 4), scales.reshape(-1), np.ascontiguousarray(dequantized), bias, 4,
+                 zero_points.reshape(-1))
+
+
 def random_layers(rng: np.random.Generator, dims: list[int], bits: int, bias: bool = False,
                   zero_points: bool = False) -> list[Layer]:
     """Layers dims[0] -> dims[1] -> ... with weights ~ N(0, 1/K); with float zero points when ``zero_points``."""
@@ -183,8 +213,9 @@ def library_or_skip():
 
 
 def open_session(model, monkeypatch, threads: int = 1, replace: bool = False, isa: str | None = None,
-                 config: dict | None = None):
-    """An ONNX Runtime session on ``model`` (bytes or path) with the kernels registered, ``isa`` forcing a path."""
+                 config: dict | None = None, superblocks: bool = True):
+    """An ONNX Runtime session on ``model`` (bytes or path) with the kernels registered, ``isa`` forcing a path;
+    ``superblocks`` False keeps every node in its path's usual layout (MIRRORSD_KERNELS_SUPERBLOCKS=0)."""
     import onnxruntime as ort
 
     from mirrorsd.devices import kernels
@@ -198,6 +229,7 @@ def open_session(model, monkeypatch, threads: int = 1, replace: bool = False, is
     with monkeypatch.context() as patch:
         if isa:
             patch.setenv(kernels.ISA_ENV, isa)  # read by the library when the session creates its kernels
+        patch.setenv("MIRRORSD_KERNELS_SUPERBLOCKS", "1" if superblocks else "0")
         return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
 
 

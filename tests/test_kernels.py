@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from kernel_graphs import (activation_error_bound, library_or_skip, model_bytes, open_session, random_layers,
-                           reference, run)
+from kernel_graphs import (activation_error_bound, library_or_skip, model_bytes, open_session, quantize_q4k,
+                           random_layers, reference, run)
 
 from mirrorsd.devices import kernels
 
@@ -285,3 +285,124 @@ def test_reopening_a_graph_while_another_session_lives_does_not_grow_the_arena(l
         reserved.append(arena_counts(lib)[1])
     assert len(set(reserved)) == 1, f"bytes reserved after each reopening: {reserved}"
     np.testing.assert_array_equal(run(kept, a), expected)
+
+
+def superblock_nodes(lib) -> int:
+    """MatMulNBits nodes the loaded library packed in a super-block layout so far (src/superblocks.cpp)."""
+    handle = ctypes.CDLL(str(lib.path))
+    handle.mirrorsd_kern_superblock_nodes.restype = ctypes.c_size_t
+    return handle.mirrorsd_kern_superblock_nodes()
+
+
+def q4k_layers(rng, dims: list[int], **options) -> list:
+    return [quantize_q4k((rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32),
+                         rng.standard_normal(N).astype(np.float32) * 0.1, **options)
+            for K, N in zip(dims[:-1], dims[1:])]
+
+
+# the paths with a super-block layout (src/superblocks.cpp; amx and scalar have none)
+SUPERBLOCK_PATHS = ("avx512vnni", "avx2")
+
+
+@pytest.mark.parametrize("largest", [63, 40])
+@pytest.mark.parametrize("path", SUPERBLOCK_PATHS)
+def test_q4k_nodes_take_the_superblock_layout_and_keep_every_bit(lib, path, largest, monkeypatch):
+    """Carried Q4_K weights (scales d * sc, zero points dmin * m / scale) are packed in the path's super-block
+    layout (~21 % fewer bytes), and every row's bits equal the usual layout's, the scalar path's, and the row alone,
+    for every row count and thread count; largest 40: super-blocks whose largest sc and m are not 63."""
+    need(lib, path)
+    rng = np.random.default_rng(largest)
+    # K = 512, 256 (one super-block), 1536; N = 1100 not a multiple of 8 or 16; the 1536 -> 1100 layer (> 512 KB
+    # packed) is split into ParallelFor tasks
+    model = model_bytes(q4k_layers(rng, [512, 256, 1536, 1100], largest=largest), kernels.DOMAIN)
+    a = rng.standard_normal((max(ROWS), 512)).astype(np.float32)
+    before = superblock_nodes(lib)
+    sessions = {threads: open_session(model, monkeypatch, threads, isa=path) for threads in (1, 2)}
+    assert superblock_nodes(lib) - before == 2 * 3, "every node of both sessions has Q4_K's form"
+    usual = open_session(model, monkeypatch, 2, isa=path, superblocks=False)
+    scalar = open_session(model, monkeypatch, 1, isa="scalar")
+    assert superblock_nodes(lib) - before == 2 * 3, "neither the usual layout nor the scalar path packs them so"
+    alone = np.concatenate([run(sessions[1], a[i:i + 1]) for i in range(len(a))])
+    for threads, session in sessions.items():
+        for m in ROWS:
+            np.testing.assert_array_equal(run(session, a[:m]), alone[:m], err_msg=f"M={m} threads={threads}")
+    np.testing.assert_array_equal(run(usual, a), alone)
+    np.testing.assert_array_equal(run(scalar, a), alone)
+
+
+@pytest.mark.parametrize("case", ["scale_one_step_off", "k_not_whole_superblocks", "symmetric", "8_bit",
+                                  "zero_points_of_no_q4k"])
+def test_nodes_without_q4k_form_keep_the_usual_layout(lib, case, monkeypatch):
+    """A node whose numbers cannot be written as super-blocks exactly is packed as before (and computes as before):
+    one scale a float step off d * sc, K not a multiple of 256, no zero points, 8-bit weights, min-max zero points
+    of another quantizer."""
+    need(lib, "avx512vnni")
+    rng = np.random.default_rng(7)
+    if case == "scale_one_step_off":
+        layers = q4k_layers(rng, [512, 64])
+        layers[0].scales[5] = np.nextafter(layers[0].scales[5], np.float32(1.0))
+    elif case == "k_not_whole_superblocks":
+        layers = random_layers(rng, [288, 64], 4, zero_points=True)
+    else:
+        layers = random_layers(rng, [512, 64], 8 if case == "8_bit" else 4, zero_points=case != "symmetric")
+    model = model_bytes(layers, kernels.DOMAIN)
+    before = superblock_nodes(lib)
+    session = open_session(model, monkeypatch, 2, isa="avx512vnni")
+    assert superblock_nodes(lib) == before
+    a = rng.standard_normal((7, layers[0].K)).astype(np.float32)
+    np.testing.assert_array_equal(run(session, a), run(open_session(model, monkeypatch, 1, isa="scalar"), a))
+
+
+@pytest.mark.parametrize("path", SUPERBLOCK_PATHS)
+def test_q4k_nodes_with_constant_blocks_compute_as_before(lib, path, monkeypatch):
+    """All-constant blocks (sc = 0: scale = offset, zero point 1) may or may not have a super-block form (the search
+    accepts only exact ones); either way the bits are those of the usual layout and of the scalar path."""
+    need(lib, path)
+    rng = np.random.default_rng(9)
+    model = model_bytes(q4k_layers(rng, [512, 256, 64], constant_blocks=5), kernels.DOMAIN)
+    a = rng.standard_normal((7, 512)).astype(np.float32)
+    expected = run(open_session(model, monkeypatch, 1, isa="scalar"), a)
+    for superblocks in (True, False):
+        got = run(open_session(model, monkeypatch, 2, isa=path, superblocks=superblocks), a)
+        np.testing.assert_array_equal(got, expected, err_msg=f"superblocks={superblocks}")
+
+
+@pytest.mark.parametrize("path", SUPERBLOCK_PATHS)
+def test_q4k_layer_error_within_the_activation_quantization_bound(lib, path, monkeypatch):
+    """The super-block layout's results against the float64 product through the carried weights."""
+    need(lib, path)
+    rng = np.random.default_rng(8)
+    layers = q4k_layers(rng, [1536, 300])
+    a = rng.standard_normal((5, 1536)).astype(np.float32)
+    got = run(open_session(model_bytes(layers, kernels.DOMAIN), monkeypatch, 2, isa=path), a)
+    error = np.abs(got - reference(layers, a))
+    assert np.all(error <= activation_error_bound(layers[0], a))
+
+
+def test_python_asks_the_library_which_nodes_take_superblocks(lib, monkeypatch, tmp_path):
+    """devices/kernels/superblocks.py puts the kernel's own question to the library for arrays read from a graph, and
+    counts 5 bytes per column and block of every node with the form as not streamed; the form is in use only on a
+    path that has the layout and while MIRRORSD_KERNELS_SUPERBLOCKS is not 0."""
+    import onnx
+
+    from mirrorsd.devices.kernels import superblocks
+
+    rng = np.random.default_rng(11)
+    q4k = q4k_layers(rng, [512, 256, 64])
+    off = q4k_layers(rng, [512, 64])[0]
+    off.scales[9] = np.nextafter(off.scales[9], np.float32(1.0))
+    symmetric = random_layers(rng, [512, 64], 4)[0]
+    assert superblocks.has_superblock_form(lib, 512, 256, q4k[0].scales, q4k[0].zero_points)
+    assert not superblocks.has_superblock_form(lib, 512, 64, off.scales, off.zero_points)
+    assert not superblocks.has_superblock_form(lib, 512, 64, off.scales[:-1], off.zero_points[:-1])  # wrong size
+    model = onnx.load_from_string(model_bytes([*q4k, off, symmetric], kernels.DOMAIN))
+    assert superblocks.bytes_saved(model, lib) == 5 * (256 * 16 + 64 * 8)
+    monkeypatch.delenv("MIRRORSD_KERNELS_ISA", raising=False)
+    monkeypatch.delenv(superblocks.ENV, raising=False)
+    assert superblocks.in_use(lib) == (lib.fast_path in superblocks.PATHS)
+    for path, expected in (("avx2", True), ("avx512vnni", True), ("amx", False), ("scalar", False)):
+        monkeypatch.setenv("MIRRORSD_KERNELS_ISA", path)
+        assert superblocks.in_use(lib) == expected, path
+    monkeypatch.setenv("MIRRORSD_KERNELS_ISA", "avx2")
+    monkeypatch.setenv(superblocks.ENV, "0")
+    assert not superblocks.in_use(lib)

@@ -73,16 +73,18 @@ def read_bandwidth(threads: int = 1, megabytes: int = 512, repeats: int = 5) -> 
     return _timed_by_threads(threads, lambda i: buffers[i].max(), n * 4, repeats)
 
 
-def target_weight_bytes(folder: Path, manifest: Manifest) -> int:
+def target_weight_bytes(folder: Path, manifest: Manifest, kernel_layout: bool = True) -> int:
     """Bytes of the target graphs a decode step reads: prefix + suffix files (with external data; a graph with packed
     weights counted as unpacked, devices/unpack.py), less the embedding table as stored (float, or quantized:
     export/embedding.py), which is gathered (one row per token), not read whole. The exit head is not counted (ar
-    does not run it)."""
+    does not run it). ``kernel_layout``: less what mirrorsd's kernel, when sessions here use it, does not stream
+    (carried Q4_K nodes in its super-block layout: devices/kernels/superblocks.py)."""
     from mirrorsd.devices.unpack import unpacked_bytes
     from mirrorsd.export.embedding import stored_bytes
 
-    total = 0
+    total = saved = 0
     packed = manifest.export_options.get("weight_storage") == "packed"
+    library = _superblock_library() if kernel_layout else None
     for role in ("prefix", "suffix"):
         path = Path(folder) / manifest.graph(role).file
         unpacked = unpacked_bytes(path) if packed else None  # packed weights: what a session holds, not the file
@@ -90,10 +92,33 @@ def target_weight_bytes(folder: Path, manifest: Manifest) -> int:
         for file in (path, path.with_name(path.name + ".data")):
             if file.is_file() and (unpacked is None or file != path):
                 total += file.stat().st_size
+        if library is not None:
+            saved += _superblock_savings(path, unpacked, library)
     width = 2 if manifest.export_options.get("target_precision") == "fp16" else 4  # unless counted as quantized
     embedding = stored_bytes(manifest.graph("prefix").validation, manifest.target.vocab_size,
                              manifest.target.hidden_size, width)
-    return max(total - embedding, 1)
+    return max(total - embedding - saved, 1)
+
+
+def _superblock_library():
+    """The kernel library when sessions created now pack carried Q4_K nodes in super-blocks, else None."""
+    from mirrorsd.devices import kernels
+    from mirrorsd.devices.kernels import superblocks
+
+    try:
+        library = kernels.usable_library()
+    except kernels.KernelsUnavailableError:
+        return None
+    return library if superblocks.in_use(library) else None
+
+
+def _superblock_savings(path: Path, unpacked: bytes | None, library) -> int:
+    import onnx
+
+    from mirrorsd.devices.kernels import superblocks
+
+    model = onnx.load_from_string(unpacked) if unpacked is not None else onnx.load(str(path))
+    return superblocks.bytes_saved(model, library)
 
 
 def ceilings(folder: Path, manifest: Manifest, thread_counts: tuple[int, ...]) -> list[Ceiling]:

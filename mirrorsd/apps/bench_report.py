@@ -126,7 +126,8 @@ def _ceiling_lines(result: BenchResult, rows: list[dict]) -> list[str]:
         return []
     first = result.ceilings[0]
     lines = ["", f"Bandwidth ceiling (measured in this run; target weights read per decode step "
-                 f"{first.weight_gb_per_token:.2f} GB; a copy counts bytes read + written, the read-only stream "
+                 f"{first.weight_gb_per_token:.2f} GB, as mirrorsd's kernel streams them; a copy counts bytes read + "
+                 "written, the read-only stream "
                  "bytes read, which is what a step does to its weights):", "",
              "| threads | copy bandwidth GB/s | ceiling tok/s | read-only GB/s | read ceiling tok/s | "
              "ar mode at that thread count | its decode tok/s | fraction of ceiling | fraction of read ceiling |",

@@ -7,12 +7,15 @@ mode and a digest of its token ids (equal digests: the same tokens).
 
 A DIR is a build in the kernel cache (~/.cache/mirrorsd/kernels/<hash>/, which `mirrorsd.devices.kernels.library()`
 fills for the sources checked out when it runs): build the variants first by checking each out and calling it.
+DIR@NAME=VALUE[@NAME=VALUE...] runs that build with those environment variables set (one build, two settings:
+e.g. DIR@MIRRORSD_KERNELS_SUPERBLOCKS=0,DIR@MIRRORSD_KERNELS_SUPERBLOCKS=1).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -50,12 +53,18 @@ def main(export: str, builds: list[str], modes: list[str], tokens: int, rounds: 
     print(f"| round | build | {' | '.join(modes)} |")
     print(f"|---|---|{'---|' * len(modes)}")
     for r in range(rounds):
-        for build in builds:
+        for spec in builds:
+            build, *settings = spec.split("@")
+            env = dict(os.environ)
+            for setting in settings:
+                name, _, value = setting.partition("=")
+                env[name] = value
             line = subprocess.run([sys.executable, __file__, "--one", export, build, ",".join(modes), str(tokens)],
-                                  check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+                                  check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
             result = json.loads(line)
             cells = " | ".join(f"{result[m][0]:.2f} ({result[m][1]})" for m in modes)
-            print(f"| {r + 1} | {Path(build).name} | {cells} |", flush=True)
+            label = " ".join([Path(build).name, *settings])
+            print(f"| {r + 1} | {label} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":

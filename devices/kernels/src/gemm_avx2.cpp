@@ -114,6 +114,80 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
   }
 }
 
+// The super-block layout (qgemm.hpp) of a group of 8 columns, for nodes whose scales and zero points have Q4_K's
+// form: a block's scale and offset are rebuilt with the steps of superblock_scale, superblock_zero_point and
+// offset(), so every number the tile uses is the one the interleaved layout stores.
+constexpr int64_t kSuperHead = 2 * kColumns * 4 + 2 * SuperBlocks::kBlocks * kColumns;  // d, dmin, sc, m
+constexpr int64_t kSuperWeights = kColumns * kBlock / 2;                                   // one block, 4 bits
+constexpr int64_t kSuperStride = kSuperHead + SuperBlocks::kBlocks * kSuperWeights;
+constexpr int64_t kSuperAhead = kAhead * kSuperStride / SuperBlocks::kBlocks;  // about kAhead blocks
+static_assert(kSuperHead % 32 == 0 && kSuperStride % 64 == 0, "vectors stay aligned");
+
+inline __m256 bytes_as_floats(const uint8_t* p) {  // 8 unsigned bytes -> 8 floats (exact)
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int MT>
+void superblock_tile(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int64_t m0, int64_t n0,
+                     const float* bias, float* y) {
+  constexpr int64_t B = SuperBlocks::kBlocks;
+  constexpr int64_t lines = (kSuperStride / B + 63) / 64;  // prefetched per block: a super-block per 8 blocks
+  const __m256 center = _mm256_set1_ps(static_cast<float>(s.zero_point()));
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  const uint8_t* p = panel;
+  const int8_t* q = a.block_q(m0, 0);
+  const float* ascale = &a.scale[static_cast<size_t>(m0)];
+  const int32_t* corr = &a.corr[static_cast<size_t>(m0)];
+  const float* qsum = &a.qsum[static_cast<size_t>(m0)];
+  for (int64_t t = 0; t < s.kb / B; ++t, p += kSuperStride) {
+    const __m256 d = _mm256_load_ps(reinterpret_cast<const float*>(p));
+    const __m256 dmin = _mm256_load_ps(reinterpret_cast<const float*>(p) + kColumns);
+    for (int64_t j = 0; j < B; ++j, q += a.rows * kBlock, ascale += a.rows, corr += a.rows, qsum += a.rows) {
+      for (int64_t line = 0; line < lines; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(p + kSuperAhead + (j * lines + line) * 64), _MM_HINT_T0);
+      __m256i dots[MT];
+      block_dots<MT, 4>(p + kSuperHead + j * kSuperWeights, q, corr, dots);
+      // superblock_scale, superblock_zero_point (0 where the scale is 0), then offset(): (center - zp) * scale
+      const __m256 wscale = _mm256_mul_ps(bytes_as_floats(p + 2 * kColumns * 4 + j * kColumns), d);
+      const __m256 mins = _mm256_mul_ps(bytes_as_floats(p + 2 * kColumns * 4 + (B + j) * kColumns), dmin);
+      const __m256 zp = _mm256_and_ps(_mm256_div_ps(mins, wscale), _mm256_cmp_ps(wscale, zero, _CMP_NEQ_UQ));
+      const __m256 offsets = _mm256_mul_ps(_mm256_sub_ps(center, zp), wscale);
+      for (int m = 0; m < MT; ++m) {
+        const __m256 both = _mm256_mul_ps(wscale, _mm256_set1_ps(ascale[m]));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), both, acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(qsum[m]), _mm256_mul_ps(offsets, _mm256_set1_ps(ascale[m])), acc[m]);
+      }
+    }
+  }
+  const int64_t valid = s.N - n0 < kColumns ? s.N - n0 : kColumns;
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float out[kColumns];
+    _mm256_store_ps(out, acc[m]);
+    float* row = y + (m0 + m) * s.N + n0;
+    for (int64_t c = 0; c < valid; ++c) row[c] = bias ? out[c] + bias[n0 + c] : out[c];
+  }
+}
+
+template <int... I>
+constexpr std::array<TileFn, sizeof...(I)> superblock_tiles(std::integer_sequence<int, I...>) {
+  return {superblock_tile<I + 1>...};
+}
+
+void superblock_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
+                     const float* bias, float* y) {
+  static constexpr auto tiles = superblock_tiles(std::make_integer_sequence<int, kRows>());
+  const int64_t panel_bytes = (s.kb / SuperBlocks::kBlocks) * kSuperStride;
+  const int64_t count = (a.rows + kRows - 1) / kRows;  // tiles as even as possible, as interleaved_gemm splits them
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t t = 0, m0 = 0; t < count; ++t) {
+      const int64_t rows = a.rows / count + (t < a.rows % count ? 1 : 0);
+      tiles[rows - 1](s, packed + g * panel_bytes, a, m0, g * kColumns, bias, y);
+      m0 += rows;
+    }
+}
+
 // Step 1 for a whole block of 32, as quantize_block_scalar computes it.
 void quantize_block(const float* a, int64_t, int zero_point, int8_t* q, float* scale, int32_t* corr) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -155,7 +229,15 @@ struct Traits {
 }  // namespace
 
 const Path& avx2_path() {
-  static const Path path = interleaved_path<Traits>("avx2", quantize_block);
+  static const Path path = [] {
+    Path p = interleaved_path<Traits>("avx2", quantize_block);
+    p.superblock_bytes = [](const Shape& s) { return superblock_layout_bytes(s, kColumns); };
+    p.pack_superblocks = [](const Shape& s, const uint8_t* b, const SuperBlocks& parts, uint8_t* out) {
+      pack_superblock_layout(s, b, parts, kColumns, out);
+    };
+    p.gemm_superblocks = superblock_gemm;
+    return p;
+  }();
   return path;
 }
 

@@ -98,6 +98,89 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
   }
 }
 
+// The super-block layout (qgemm.hpp) of a group of 16 columns: a block's scale and offset are rebuilt with the steps
+// of superblock_scale, superblock_zero_point and offset(), so every number the tile uses is the one the interleaved
+// layout stores.
+constexpr int64_t kSuperHead = 2 * kColumns * 4 + 2 * SuperBlocks::kBlocks * kColumns;  // d, dmin, sc, m
+constexpr int64_t kSuperWeights = kColumns * kBlock / 2;                                   // one block, 4 bits
+constexpr int64_t kSuperStride = kSuperHead + SuperBlocks::kBlocks * kSuperWeights;
+constexpr int64_t kSuperAhead = 3072;  // bytes prefetched ahead, about kAhead blocks of the interleaved layout
+static_assert(kSuperHead % 64 == 0 && kSuperStride % 64 == 0, "vectors stay 64-byte aligned");
+
+inline __m512 bytes_as_floats(const uint8_t* p) {  // 16 unsigned bytes -> 16 floats (exact)
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int MT>
+void superblock_tile(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int64_t m0, int64_t n0,
+                     const float* bias, float* y) {
+  constexpr int C = chains<MT>();
+  constexpr int64_t B = SuperBlocks::kBlocks;
+  constexpr int64_t lines = (kSuperStride / B + 63) / 64;  // prefetched per block: a super-block per 8 blocks
+  const __m512 center = _mm512_set1_ps(static_cast<float>(s.zero_point()));
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* p = panel;
+  for (int64_t t = 0; t < s.kb / B; ++t, p += kSuperStride) {
+    const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(p));
+    const __m512 dmin = _mm512_load_ps(reinterpret_cast<const float*>(p) + kColumns);
+    for (int64_t j = 0; j < B; ++j) {
+      for (int64_t line = 0; line < lines; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(p + kSuperAhead + (j * lines + line) * 64), _MM_HINT_T1);
+      const int64_t blk = t * B + j;
+      __m512i w[8];
+      load_block<4>(p + kSuperHead + j * kSuperWeights, w);
+      __m512i dot[MT][C];
+      const int8_t* q[MT];
+      for (int m = 0; m < MT; ++m) {
+        q[m] = a.block_q(m0 + m, blk);
+        dot[m][0] = _mm512_set1_epi32(a.block_corr(m0 + m, blk));
+        for (int c = 1; c < C; ++c) dot[m][c] = _mm512_setzero_si512();
+      }
+      for (int v = 0; v < 8; ++v)
+        for (int m = 0; m < MT; ++m)
+          dot[m][v % C] = _mm512_dpbusd_epi32(dot[m][v % C], w[v], broadcast4(q[m] + 4 * v));
+      // superblock_scale, superblock_zero_point (0 where the scale is 0), then offset(): (center - zp) * scale
+      const __m512 wscale = _mm512_mul_ps(bytes_as_floats(p + 2 * kColumns * 4 + j * kColumns), d);
+      const __m512 mins = _mm512_mul_ps(bytes_as_floats(p + 2 * kColumns * 4 + (B + j) * kColumns), dmin);
+      const __m512 zp = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(wscale, zero, _CMP_NEQ_UQ), mins, wscale);
+      const __m512 offsets = _mm512_mul_ps(_mm512_sub_ps(center, zp), wscale);
+      for (int m = 0; m < MT; ++m) {
+        for (int c = 1; c < C; ++c) dot[m][0] = _mm512_add_epi32(dot[m][0], dot[m][c]);
+        const __m512 ascale = _mm512_set1_ps(a.block_scale(m0 + m, blk));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][0]), _mm512_mul_ps(wscale, ascale), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(a.block_qsum(m0 + m, blk)), _mm512_mul_ps(offsets, ascale), acc[m]);
+      }
+    }
+  }
+  const int64_t valid = s.N - n0 < kColumns ? s.N - n0 : kColumns;
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) {
+    const __m512 out = bias ? _mm512_add_ps(acc[m], b) : acc[m];
+    _mm512_mask_storeu_ps(y + (m0 + m) * s.N + n0, mask, out);
+  }
+}
+
+template <int... I>
+constexpr std::array<TileFn, sizeof...(I)> superblock_tiles(std::integer_sequence<int, I...>) {
+  return {superblock_tile<I + 1>...};
+}
+
+void superblock_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
+                     const float* bias, float* y) {
+  static constexpr auto tiles = superblock_tiles(std::make_integer_sequence<int, kRows>());
+  const int64_t panel_bytes = (s.kb / SuperBlocks::kBlocks) * kSuperStride;  // = superblock_stride(16) each
+  const int64_t count = (a.rows + kRows - 1) / kRows;  // tiles as even as possible, as interleaved_gemm splits them
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t t = 0, m0 = 0; t < count; ++t) {
+      const int64_t rows = a.rows / count + (t < a.rows % count ? 1 : 0);
+      tiles[rows - 1](s, packed + g * panel_bytes, a, m0, g * kColumns, bias, y);
+      m0 += rows;
+    }
+}
+
 // Step 1 for a whole block of 32, as quantize_block_scalar computes it.
 void quantize_block(const float* a, int64_t, int zero_point, int8_t* q, float* scale, int32_t* corr) {
   const __m512 lo = _mm512_loadu_ps(a), hi = _mm512_loadu_ps(a + 16);
@@ -124,7 +207,15 @@ struct Traits {
 }  // namespace
 
 const Path& avx512_path() {
-  static const Path path = interleaved_path<Traits>("avx512vnni", quantize_block);
+  static const Path path = [] {
+    Path p = interleaved_path<Traits>("avx512vnni", quantize_block);
+    p.superblock_bytes = [](const Shape& s) { return superblock_layout_bytes(s, kColumns); };
+    p.pack_superblocks = [](const Shape& s, const uint8_t* b, const SuperBlocks& parts, uint8_t* out) {
+      pack_superblock_layout(s, b, parts, kColumns, out);
+    };
+    p.gemm_superblocks = superblock_gemm;
+    return p;
+  }();
   return path;
 }
 

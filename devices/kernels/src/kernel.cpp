@@ -1,5 +1,6 @@
 #include "kernel.hpp"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -77,9 +78,12 @@ class DefaultFloatMode {
 #endif
 };
 
+std::atomic<size_t> packed_as_superblocks{0};
+
 struct Job {
   const Shape* shape;
-  const Path* path;
+  void (*gemm)(const Shape& shape, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
+               const float* bias, float* y);
   const uint8_t* packed;
   const QuantizedRows* rows;
   const float* bias;
@@ -92,10 +96,17 @@ void run_task(void* data, size_t task) {
   const Job& job = *static_cast<const Job*>(data);
   const int64_t g0 = static_cast<int64_t>(task) * job.groups_per_task;
   const int64_t g1 = g0 + job.groups_per_task < job.groups ? g0 + job.groups_per_task : job.groups;
-  job.path->gemm(*job.shape, job.packed, *job.rows, g0, g1, job.bias, job.y);
+  job.gemm(*job.shape, job.packed, *job.rows, g0, g1, job.bias, job.y);
 }
 
 }  // namespace
+
+bool superblocks_wanted() {
+  const char* value = std::getenv("MIRRORSD_KERNELS_SUPERBLOCKS");
+  return !(value && std::strcmp(value, "0") == 0);
+}
+
+size_t superblock_nodes() { return packed_as_superblocks.load(); }
 
 void ArenaDeleter::operator()(uint8_t* p) const { arena_release(p); }
 
@@ -193,12 +204,21 @@ OrtStatus* Kernel::pack_weights(const OrtKernelInfo* info) {
   if (scales.count != s.N * s.kb)
     return error(ORT_INVALID_ARGUMENT, "scales has " + std::to_string(scales.count) +
                  " values, expected N * ceil(K/32) = " + std::to_string(s.N * s.kb), "re-quantize the model");
-  packed_bytes_ = path_->packed_bytes(s);
+  SuperBlocks parts;
+  superblocks_ = path_->pack_superblocks && superblocks_wanted() &&
+                 find_superblocks(s, static_cast<const float*>(scales.data),
+                                  static_cast<const float*>(zero_points.data), parts);
+  packed_bytes_ = superblocks_ ? path_->superblock_bytes(s) : path_->packed_bytes(s);
   packed_.reset(arena_allocate(packed_bytes_));  // in 2 MiB pages shared with other nodes (arena.hpp)
   if (!packed_)
     return error(ORT_FAIL, "cannot allocate " + std::to_string(packed_bytes_) + " bytes for packed B", "free memory");
-  path_->pack(s, static_cast<const uint8_t*>(b.data), static_cast<const float*>(scales.data),
-              static_cast<const float*>(zero_points.data), packed_.get());
+  if (superblocks_) {
+    path_->pack_superblocks(s, static_cast<const uint8_t*>(b.data), parts, packed_.get());
+    ++packed_as_superblocks;
+  } else {
+    path_->pack(s, static_cast<const uint8_t*>(b.data), static_cast<const float*>(scales.data),
+                static_cast<const float*>(zero_points.data), packed_.get());
+  }
   groups_ = (s.N + path_->group - 1) / path_->group;
   const int64_t group_bytes = static_cast<int64_t>(packed_bytes_) / groups_;
   groups_per_task_ = group_bytes >= kTaskBytes ? 1 : kTaskBytes / group_bytes;
@@ -241,7 +261,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) const {
     const DefaultFloatMode mode;
     quantize_rows(*path_, static_cast<const float*>(a.data), rows, shape_, quantized);
   }
-  Job job{&shape_, path_, packed_.get(), &quantized, bias, static_cast<float*>(y.data), groups_, groups_per_task_};
+  Job job{&shape_, superblocks_ ? path_->gemm_superblocks : path_->gemm, packed_.get(), &quantized, bias, static_cast<float*>(y.data), groups_, groups_per_task_};
   const size_t tasks = static_cast<size_t>((groups_ + groups_per_task_ - 1) / groups_per_task_);
   if (tasks == 1 || packed_bytes_ < kInlineBytes) {
     for (size_t task = 0; task < tasks; ++task) run_task(&job, task);

@@ -20,6 +20,12 @@ enum Input : size_t { kA = 0, kB = 1, kScales = 2, kZeroPoints = 3, kGroupIndex 
 // "avx512vnni", "avx2", "scalar"). Returns null and says why when the requested path cannot run here.
 const Path* select_path(std::string& why);
 
+// Whether a node whose scales and zero points have Q4_K's form is packed in the path's super-block layout: yes,
+// unless MIRRORSD_KERNELS_SUPERBLOCKS=0 (read when a session creates its kernels; for A/B measurements).
+bool superblocks_wanted();
+// MatMulNBits nodes packed in a super-block layout since the library was loaded (mirrorsd_kern_superblock_nodes).
+size_t superblock_nodes();
+
 // A tensor's data, dimensions, element count and element type (read through the API).
 struct TensorView {
   void* data = nullptr;
@@ -53,6 +59,7 @@ class Kernel {
   const Path* path_ = nullptr;
   std::unique_ptr<uint8_t, ArenaDeleter> packed_;
   size_t packed_bytes_ = 0;
+  bool superblocks_ = false;     // B packed in the path's super-block layout (find_superblocks accepted the node)
   int64_t groups_ = 0;           // column groups of the path's packed layout
   int64_t groups_per_task_ = 1;  // the unit of ParallelFor
 };

@@ -61,6 +61,37 @@ struct QuantizedRows {
 using QuantizeBlock = void (*)(const float* a, int64_t n, int zero_point, int8_t* q, float* scale, int32_t* corr);
 void quantize_block_scalar(const float* a, int64_t n, int zero_point, int8_t* q, float* scale, int32_t* corr);
 
+// The scales and zero points of a 4-bit node with offsets, written the way a GGUF Q4_K tensor holds them: per
+// column and super-block of 8 blocks (256 weights along K) one float d and one float dmin, per block one small
+// integer sc and one m, so that (superblocks.cpp)
+//     scale = float(sc) * d,   zero point = float(m) * dmin / scale  (0 where the scale is 0)
+// give back the node's float32 scales and zero points bit for bit. A path that packs them this way streams
+// 16 + 2 bytes per column and block (plus 8 per super-block) instead of 16 + 8: ~21 % fewer bytes of a carried
+// Q4_K node, the same numbers (step 3's u is computed from the same scale and zero point).
+struct SuperBlocks {
+  static constexpr int64_t kBlocks = 8;  // blocks per super-block
+  std::vector<float> d, dmin;            // [N][kb / 8]
+  std::vector<uint8_t> sc, m;            // [N][kb]
+};
+// Fills `out` and returns true when every column's every super-block can be written so (4-bit, offsets, kb a
+// multiple of 8); false otherwise (the node keeps the path's usual layout).
+bool find_superblocks(const Shape& shape, const float* scales, const float* zero_points, SuperBlocks& out);
+// The super-block layout of the SIMD paths, for a group of W columns, one super-block after another:
+//   d [W] float | dmin [W] float | sc [8][W] bytes | m [8][W] bytes | 8 blocks of 4-bit weights, each as the
+//   interleaved layout below holds a block's weights (16 W bytes)
+// 19 W bytes per block plus 8 W per super-block, against 24 W per block in the interleaved layout with offsets.
+int64_t superblock_head(int64_t width);    // bytes before the weights
+int64_t superblock_stride(int64_t width);  // bytes of one super-block of one group
+size_t superblock_layout_bytes(const Shape& shape, int64_t width);
+void pack_superblock_layout(const Shape& shape, const uint8_t* b, const SuperBlocks& parts, int64_t width,
+                            uint8_t* out);
+// The scale and the offset u of block j of a super-block, as a path that unpacks them computes them (the scalar
+// form of its vector steps; find_superblocks checks its candidates with these).
+inline float superblock_scale(float d, uint8_t sc) { return static_cast<float>(sc) * d; }
+inline float superblock_zero_point(float dmin, uint8_t m, float scale) {
+  return scale != 0.0f ? static_cast<float>(m) * dmin / scale : 0.0f;
+}
+
 // One instruction-set path: its packed layout of B and its GEMM over a range of column groups.
 struct Path {
   const char* name;
@@ -73,6 +104,12 @@ struct Path {
   // Y rows [0, a.rows) for the columns of groups [g0, g1); y is [rows][N], bias is [N] or null.
   void (*gemm)(const Shape& shape, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
                const float* bias, float* y);
+  // Optional (null where the path has none): the super-block layout of a node find_superblocks accepted, its size,
+  // packing and GEMM (the same results as pack + gemm on the node's float scales and zero points).
+  size_t (*superblock_bytes)(const Shape& shape) = nullptr;
+  void (*pack_superblocks)(const Shape& shape, const uint8_t* b, const SuperBlocks& parts, uint8_t* out) = nullptr;
+  void (*gemm_superblocks)(const Shape& shape, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
+                           const float* bias, float* y) = nullptr;
 };
 
 void quantize_rows(const Path& path, const float* a, int64_t rows, const Shape& shape, QuantizedRows& out);

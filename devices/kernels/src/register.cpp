@@ -202,6 +202,20 @@ ORT_EXPORT void mirrorsd_kern_arena_counts(size_t out[3]) {
   out[0] = counts.chunks, out[1] = counts.reserved, out[2] = counts.live;
 }
 
+// MatMulNBits nodes packed in a super-block layout since the library was loaded (qgemm.hpp: SuperBlocks).
+ORT_EXPORT size_t mirrorsd_kern_superblock_nodes() { return mirrorsd_kern::superblock_nodes(); }
+
+// 1 when a 4-bit node of shape K x N with these float scales and zero points ([N * ceil(K/32)] each) would be packed
+// in a super-block layout (by a path that has one), else 0: the test the kernel applies (devices/kernels/superblocks.py).
+ORT_EXPORT int mirrorsd_kern_superblock_form(int64_t K, int64_t N, const float* scales, const float* zero_points) {
+  mirrorsd_kern::Shape shape;
+  if (K <= 0 || N <= 0 || !scales || !zero_points) return 0;
+  shape.K = K, shape.N = N, shape.kb = (K + mirrorsd_kern::kBlock - 1) / mirrorsd_kern::kBlock, shape.bits = 4;
+  shape.offsets = true;
+  mirrorsd_kern::SuperBlocks parts;
+  return mirrorsd_kern::find_superblocks(shape, scales, zero_points, parts) ? 1 : 0;
+}
+
 ORT_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   using namespace mirrorsd_kern;
   const OrtApi* api = api_base->GetApi(kOrtApiVersion);
