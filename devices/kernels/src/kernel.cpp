@@ -261,7 +261,8 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) const {
     const DefaultFloatMode mode;
     quantize_rows(*path_, static_cast<const float*>(a.data), rows, shape_, quantized);
   }
-  Job job{&shape_, superblocks_ ? path_->gemm_superblocks : path_->gemm, packed_.get(), &quantized, bias, static_cast<float*>(y.data), groups_, groups_per_task_};
+  Job job{&shape_, superblocks_ ? path_->gemm_superblocks : path_->gemm, packed_.get(), &quantized, bias,
+          static_cast<float*>(y.data), groups_, groups_per_task_};
   const size_t tasks = static_cast<size_t>((groups_ + groups_per_task_ - 1) / groups_per_task_);
   if (tasks == 1 || packed_bytes_ < kInlineBytes) {
     for (size_t task = 0; task < tasks; ++task) run_task(&job, task);

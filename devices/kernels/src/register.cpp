@@ -206,7 +206,7 @@ ORT_EXPORT void mirrorsd_kern_arena_counts(size_t out[3]) {
 ORT_EXPORT size_t mirrorsd_kern_superblock_nodes() { return mirrorsd_kern::superblock_nodes(); }
 
 // 1 when a 4-bit node of shape K x N with these float scales and zero points ([N * ceil(K/32)] each) would be packed
-// in a super-block layout (by a path that has one), else 0: the test the kernel applies (devices/kernels/superblocks.py).
+// in a super-block layout (by a path that has one), else 0: the kernel's own test (devices/kernels/superblocks.py).
 ORT_EXPORT int mirrorsd_kern_superblock_form(int64_t K, int64_t N, const float* scales, const float* zero_points) {
   mirrorsd_kern::Shape shape;
   if (K <= 0 || N <= 0 || !scales || !zero_points) return 0;
