@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from mirrorsd.errors import KernelsUnavailableError
-from mirrorsd.devices.kernels import library, unavailable_reason
+from mirrorsd.devices.kernels import library, superblocks, unavailable_reason
 from mirrorsd.devices.kernels.build import find_compiler
 
 
@@ -22,6 +22,10 @@ def main() -> int:
     print(f"mirrorsd kernels: {built.path} [{paths}]")
     reason = unavailable_reason()
     print(f"mirrorsd kernels: {reason or f'sessions use the {built.fast_path} path'}")
+    if not reason:
+        print("mirrorsd kernels: carried Q4_K weights in super-blocks (4.75 bits per weight, the same results): "
+              + ("yes" if superblocks.in_use(built) else
+                 f"no ({superblocks.ENV}=0, or a path without the layout; it has {', '.join(superblocks.PATHS)})"))
     return 0
 
 
