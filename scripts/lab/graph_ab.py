@@ -16,7 +16,9 @@ import time
 import numpy as np
 
 
-def _session(path: str, threads: int):
+def _session(path: str, threads: int, profile_prefix: str | None = None):
+    """A session as mirrorsd opens ar's: its kernels, ``threads`` spinning within a run; with ONNX Runtime's
+    profiler on when ``profile_prefix`` is given (op_profile.py)."""
     import onnxruntime as ort
 
     from mirrorsd.devices import kernels
@@ -27,13 +29,18 @@ def _session(path: str, threads: int):
     opts.intra_op_num_threads, opts.inter_op_num_threads, opts.log_severity_level = threads, 1, 3
     for key, value in SPINNING_POOL:
         opts.add_session_config_entry(key, value)
+    if profile_prefix:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = profile_prefix
     kernels.register(opts, replace=True)
     return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
 
-def _feeds(session, past: int) -> dict:
+def _feeds(session, past: int, width: int = 1) -> dict:
+    """Batch 1, ``width`` new rows after ``past`` cached slots (random KV, every slot visible)."""
     rng = np.random.default_rng(0)
-    dims = {"batch_size": 1, "sequence_length": 1, "past_sequence_length": past, "total_sequence_length": past + 1}
+    dims = {"batch_size": 1, "sequence_length": width, "past_sequence_length": past,
+            "total_sequence_length": past + width}
     feeds = {}
     for spec in session.get_inputs():
         shape = [d if isinstance(d, int) else dims[d] for d in spec.shape]
@@ -41,7 +48,7 @@ def _feeds(session, past: int) -> dict:
             if spec.name == "attention_mask":
                 feeds[spec.name] = np.ones(shape, np.int64)
             elif spec.name == "position_ids":
-                feeds[spec.name] = np.full(shape, past, np.int64)
+                feeds[spec.name] = (past + np.arange(width, dtype=np.int64)).reshape(shape)
             else:
                 feeds[spec.name] = rng.integers(100, 1000, shape).astype(np.int64)
         else:

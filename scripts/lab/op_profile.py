@@ -13,48 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
-import numpy as np
-
-
-def _session(path: str, threads: int, profile_prefix: str | None):
-    import onnxruntime as ort
-
-    from mirrorsd.devices import kernels
-    from mirrorsd.devices.backends import SPINNING_POOL
-
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.intra_op_num_threads, opts.inter_op_num_threads, opts.log_severity_level = threads, 1, 3
-    for key, value in SPINNING_POOL:
-        opts.add_session_config_entry(key, value)
-    if profile_prefix:
-        opts.enable_profiling = True
-        opts.profile_file_prefix = profile_prefix
-    kernels.register(opts, replace=True)
-    return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-
-
-def _feeds(session, past: int, width: int) -> dict:
-    rng = np.random.default_rng(0)
-    dims = {"batch_size": 1, "sequence_length": width, "past_sequence_length": past,
-            "total_sequence_length": past + width}
-    feeds = {}
-    for spec in session.get_inputs():
-        shape = [d if isinstance(d, int) else dims[d] for d in spec.shape]
-        if spec.type == "tensor(int64)":
-            if spec.name == "attention_mask":
-                feeds[spec.name] = np.ones(shape, np.int64)
-            elif spec.name == "position_ids":
-                feeds[spec.name] = (past + np.arange(width, dtype=np.int64)).reshape(shape)
-            else:
-                feeds[spec.name] = rng.integers(100, 1000, shape).astype(np.int64)
-        else:
-            feeds[spec.name] = rng.standard_normal(shape).astype(np.float32)
-    return feeds
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_ab import _feeds, _session  # noqa: E402  (the same sessions and feeds as graph_ab.py)
 
 
 def profile(path: str, past: int, width: int, runs: int, threads: int) -> tuple[dict[str, float], float]:

@@ -77,6 +77,18 @@ inline void block_dots(const uint8_t* p, const int8_t* q, const int32_t* corr, _
   }
 }
 
+// y rows [m0, m0 + MT) at columns [n0, n0 + 8) (fewer in the last group) = acc (+ bias).
+template <int MT>
+inline void store_rows(const __m256 acc[MT], const Shape& s, int64_t m0, int64_t n0, const float* bias, float* y) {
+  const int64_t valid = s.N - n0 < kColumns ? s.N - n0 : kColumns;
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float out[kColumns];
+    _mm256_store_ps(out, acc[m]);
+    float* row = y + (m0 + m) * s.N + n0;
+    for (int64_t c = 0; c < valid; ++c) row[c] = bias ? out[c] + bias[n0 + c] : out[c];
+  }
+}
+
 template <int MT, int BITS, bool OFFSETS>
 void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int64_t m0, int64_t n0,
                const float* bias, float* y) {
@@ -105,13 +117,7 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
     }
     if constexpr (OFFSETS) qsum += a.rows;
   }
-  const int64_t valid = s.N - n0 < kColumns ? s.N - n0 : kColumns;
-  for (int m = 0; m < MT; ++m) {
-    alignas(32) float out[kColumns];
-    _mm256_store_ps(out, acc[m]);
-    float* row = y + (m0 + m) * s.N + n0;
-    for (int64_t c = 0; c < valid; ++c) row[c] = bias ? out[c] + bias[n0 + c] : out[c];
-  }
+  store_rows<MT>(acc, s, m0, n0, bias, y);
 }
 
 // The super-block layout (qgemm.hpp) of a group of 8 columns, for nodes whose scales and zero points have Q4_K's
@@ -161,31 +167,7 @@ void superblock_tile(const Shape& s, const uint8_t* panel, const QuantizedRows& 
       }
     }
   }
-  const int64_t valid = s.N - n0 < kColumns ? s.N - n0 : kColumns;
-  for (int m = 0; m < MT; ++m) {
-    alignas(32) float out[kColumns];
-    _mm256_store_ps(out, acc[m]);
-    float* row = y + (m0 + m) * s.N + n0;
-    for (int64_t c = 0; c < valid; ++c) row[c] = bias ? out[c] + bias[n0 + c] : out[c];
-  }
-}
-
-template <int... I>
-constexpr std::array<TileFn, sizeof...(I)> superblock_tiles(std::integer_sequence<int, I...>) {
-  return {superblock_tile<I + 1>...};
-}
-
-void superblock_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
-                     const float* bias, float* y) {
-  static constexpr auto tiles = superblock_tiles(std::make_integer_sequence<int, kRows>());
-  const int64_t panel_bytes = (s.kb / SuperBlocks::kBlocks) * kSuperStride;
-  const int64_t count = (a.rows + kRows - 1) / kRows;  // tiles as even as possible, as interleaved_gemm splits them
-  for (int64_t g = g0; g < g1; ++g)
-    for (int64_t t = 0, m0 = 0; t < count; ++t) {
-      const int64_t rows = a.rows / count + (t < a.rows % count ? 1 : 0);
-      tiles[rows - 1](s, packed + g * panel_bytes, a, m0, g * kColumns, bias, y);
-      m0 += rows;
-    }
+  store_rows<MT>(acc, s, m0, n0, bias, y);
 }
 
 // Step 1 for a whole block of 32, as quantize_block_scalar computes it.
@@ -224,20 +206,15 @@ struct Traits {
   static constexpr uint8_t kFlip8 = 0x80;  // 8-bit weights packed signed w - 128 (see block_dots)
   template <int MT, int BITS, bool OFFSETS>
   static constexpr TileFn tile = tile_rows<MT, BITS, OFFSETS>;
+  static constexpr int64_t kSuperStride = ::mirrorsd_kern::kSuperStride;
+  template <int MT>
+  static constexpr TileFn superblock_tile = ::mirrorsd_kern::superblock_tile<MT>;
 };
 
 }  // namespace
 
 const Path& avx2_path() {
-  static const Path path = [] {
-    Path p = interleaved_path<Traits>("avx2", quantize_block);
-    p.superblock_bytes = [](const Shape& s) { return superblock_layout_bytes(s, kColumns); };
-    p.pack_superblocks = [](const Shape& s, const uint8_t* b, const SuperBlocks& parts, uint8_t* out) {
-      pack_superblock_layout(s, b, parts, kColumns, out);
-    };
-    p.gemm_superblocks = superblock_gemm;
-    return p;
-  }();
+  static const Path path = with_superblocks<Traits>(interleaved_path<Traits>("avx2", quantize_block));
   return path;
 }
 

@@ -55,6 +55,18 @@ constexpr int chains() {
   return MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);
 }
 
+// y rows [m0, m0 + MT) at columns [n0, n0 + 16) (fewer in the last group) = acc (+ bias).
+template <int MT>
+inline void store_rows(const __m512 acc[MT], const Shape& s, int64_t m0, int64_t n0, const float* bias, float* y) {
+  const int64_t valid = s.N - n0 < kColumns ? s.N - n0 : kColumns;
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) {
+    const __m512 out = bias ? _mm512_add_ps(acc[m], b) : acc[m];
+    _mm512_mask_storeu_ps(y + (m0 + m) * s.N + n0, mask, out);
+  }
+}
+
 template <int MT, int BITS, bool OFFSETS>
 void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int64_t m0, int64_t n0,
                const float* bias, float* y) {
@@ -89,13 +101,7 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
       }
     }
   }
-  const int64_t valid = s.N - n0 < kColumns ? s.N - n0 : kColumns;
-  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m) {
-    const __m512 out = bias ? _mm512_add_ps(acc[m], b) : acc[m];
-    _mm512_mask_storeu_ps(y + (m0 + m) * s.N + n0, mask, out);
-  }
+  store_rows<MT>(acc, s, m0, n0, bias, y);
 }
 
 // The super-block layout (qgemm.hpp) of a group of 16 columns: a block's scale and offset are rebuilt with the steps
@@ -154,31 +160,7 @@ void superblock_tile(const Shape& s, const uint8_t* panel, const QuantizedRows& 
       }
     }
   }
-  const int64_t valid = s.N - n0 < kColumns ? s.N - n0 : kColumns;
-  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m) {
-    const __m512 out = bias ? _mm512_add_ps(acc[m], b) : acc[m];
-    _mm512_mask_storeu_ps(y + (m0 + m) * s.N + n0, mask, out);
-  }
-}
-
-template <int... I>
-constexpr std::array<TileFn, sizeof...(I)> superblock_tiles(std::integer_sequence<int, I...>) {
-  return {superblock_tile<I + 1>...};
-}
-
-void superblock_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
-                     const float* bias, float* y) {
-  static constexpr auto tiles = superblock_tiles(std::make_integer_sequence<int, kRows>());
-  const int64_t panel_bytes = (s.kb / SuperBlocks::kBlocks) * kSuperStride;  // = superblock_stride(16) each
-  const int64_t count = (a.rows + kRows - 1) / kRows;  // tiles as even as possible, as interleaved_gemm splits them
-  for (int64_t g = g0; g < g1; ++g)
-    for (int64_t t = 0, m0 = 0; t < count; ++t) {
-      const int64_t rows = a.rows / count + (t < a.rows % count ? 1 : 0);
-      tiles[rows - 1](s, packed + g * panel_bytes, a, m0, g * kColumns, bias, y);
-      m0 += rows;
-    }
+  store_rows<MT>(acc, s, m0, n0, bias, y);
 }
 
 // Step 1 for a whole block of 32, as quantize_block_scalar computes it.
@@ -202,20 +184,15 @@ struct Traits {
   static constexpr uint8_t kFlip8 = 0;  // 8-bit weights packed unsigned, as ONNX Runtime stores them
   template <int MT, int BITS, bool OFFSETS>
   static constexpr TileFn tile = tile_rows<MT, BITS, OFFSETS>;
+  static constexpr int64_t kSuperStride = ::mirrorsd_kern::kSuperStride;
+  template <int MT>
+  static constexpr TileFn superblock_tile = ::mirrorsd_kern::superblock_tile<MT>;
 };
 
 }  // namespace
 
 const Path& avx512_path() {
-  static const Path path = [] {
-    Path p = interleaved_path<Traits>("avx512vnni", quantize_block);
-    p.superblock_bytes = [](const Shape& s) { return superblock_layout_bytes(s, kColumns); };
-    p.pack_superblocks = [](const Shape& s, const uint8_t* b, const SuperBlocks& parts, uint8_t* out) {
-      pack_superblock_layout(s, b, parts, kColumns, out);
-    };
-    p.gemm_superblocks = superblock_gemm;
-    return p;
-  }();
+  static const Path path = with_superblocks<Traits>(interleaved_path<Traits>("avx512vnni", quantize_block));
   return path;
 }
 

@@ -158,19 +158,50 @@ const std::array<TileFn, MAX_TILE>& tiles_for(const Shape& s) {
   return tables[s.bits == 8][s.offsets];
 }
 
-template <class K>
-void interleaved_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
-                      const float* bias, float* y) {
-  const auto& tiles = tiles_for<K, K::kMaxTile>(s);
-  const int64_t panel_bytes = s.kb * interleaved_block_bytes(s, K::kWidth);
-  // the fewest tiles that cover the rows, as even as possible (9 rows with tiles of 8 at most: 5 + 4, not 8 + 1)
-  const int64_t count = (a.rows + K::kMaxTile - 1) / K::kMaxTile;
+// Rows [0, a.rows) of the column groups [g0, g1) (width columns each, panel_bytes of packed B each), in the fewest
+// tiles that cover the rows, as even as possible (9 rows with tiles of 8 at most: 5 + 4, not 8 + 1).
+template <size_t MAX_TILE>
+void run_tiles(const std::array<TileFn, MAX_TILE>& tiles, int64_t width, int64_t panel_bytes, const Shape& s,
+               const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1, const float* bias, float* y) {
+  const int64_t max_tile = static_cast<int64_t>(MAX_TILE), count = (a.rows + max_tile - 1) / max_tile;
   for (int64_t g = g0; g < g1; ++g)
     for (int64_t t = 0, m0 = 0; t < count; ++t) {
       const int64_t rows = a.rows / count + (t < a.rows % count ? 1 : 0);
-      tiles[rows - 1](s, packed + g * panel_bytes, a, m0, g * K::kWidth, bias, y);
+      tiles[rows - 1](s, packed + g * panel_bytes, a, m0, g * width, bias, y);
       m0 += rows;
     }
+}
+
+template <class K>
+void interleaved_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
+                      const float* bias, float* y) {
+  run_tiles(tiles_for<K, K::kMaxTile>(s), K::kWidth, s.kb * interleaved_block_bytes(s, K::kWidth), s, packed, a, g0,
+            g1, bias, y);
+}
+
+// The super-block layout's GEMM for a path whose traits K also have K::template superblock_tile<MT> (a TileFn over
+// one group's super-blocks) and K::kSuperStride (= superblock_stride(K::kWidth)).
+template <class K, int... I>
+constexpr std::array<TileFn, sizeof...(I)> superblock_table(std::integer_sequence<int, I...>) {
+  return {K::template superblock_tile<I + 1>...};
+}
+
+template <class K>
+void superblock_gemm(const Shape& s, const uint8_t* packed, const QuantizedRows& a, int64_t g0, int64_t g1,
+                     const float* bias, float* y) {
+  static constexpr auto tiles = superblock_table<K>(std::make_integer_sequence<int, K::kMaxTile>());
+  run_tiles(tiles, K::kWidth, (s.kb / SuperBlocks::kBlocks) * K::kSuperStride, s, packed, a, g0, g1, bias, y);
+}
+
+// path with the super-block layout of traits K added (Path's optional members).
+template <class K>
+Path with_superblocks(Path path) {
+  path.superblock_bytes = [](const Shape& s) { return superblock_layout_bytes(s, K::kWidth); };
+  path.pack_superblocks = [](const Shape& s, const uint8_t* b, const SuperBlocks& parts, uint8_t* out) {
+    pack_superblock_layout(s, b, parts, K::kWidth, out);
+  };
+  path.gemm_superblocks = superblock_gemm<K>;
+  return path;
 }
 
 template <class K>
