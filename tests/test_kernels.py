@@ -408,3 +408,29 @@ def test_python_asks_the_library_which_nodes_take_superblocks(lib, monkeypatch, 
     monkeypatch.setenv("MIRRORSD_KERNELS_ISA", "avx2")
     monkeypatch.setenv(superblocks.ENV, "0")
     assert not superblocks.in_use(lib)
+
+
+def test_the_bandwidth_ceiling_counts_the_bytes_the_kernel_streams(lib, tmp_path, monkeypatch):
+    """mirrorsd.apps.bandwidth.target_weight_bytes: the graph files' bytes, less what the super-block layout does not
+    stream when sessions here use it (5 bytes per column and block of each Q4_K-form node), and no less when the
+    layout is off. (The manifest is a plain record of the four fields the function reads.)"""
+    from types import SimpleNamespace
+
+    from mirrorsd.apps.bandwidth import target_weight_bytes
+    from mirrorsd.devices.kernels import superblocks
+
+    monkeypatch.delenv("MIRRORSD_KERNELS_ISA", raising=False)
+    monkeypatch.delenv(superblocks.ENV, raising=False)
+    if not superblocks.in_use(lib):
+        pytest.skip(f"sessions here run {lib.fast_path}, which has no super-block layout")
+    rng = np.random.default_rng(12)
+    graphs = {"prefix": q4k_layers(rng, [512, 256]), "suffix": random_layers(rng, [256, 64], 4)}
+    for role, layers in graphs.items():
+        (tmp_path / f"{role}.onnx").write_bytes(model_bytes(layers, kernels.ORT_DOMAIN))
+    manifest = SimpleNamespace(export_options={}, target=SimpleNamespace(vocab_size=1, hidden_size=1),
+                               graph=lambda role: SimpleNamespace(file=f"{role}.onnx", validation={}))
+    files = sum((tmp_path / f"{role}.onnx").stat().st_size for role in graphs)
+    assert target_weight_bytes(tmp_path, manifest, kernel_layout=False) == files - 4  # less the 1 x 1 float table
+    assert target_weight_bytes(tmp_path, manifest) == files - 4 - 5 * 256 * 16
+    monkeypatch.setenv(superblocks.ENV, "0")
+    assert target_weight_bytes(tmp_path, manifest) == files - 4
