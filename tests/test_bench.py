@@ -40,6 +40,7 @@ def test_bench_reports_every_mode_and_checks_parity(tmp_path, exported, monkeypa
     assert all(r.prompts == 2 and r.predicted > 0 and r.measured > 0 for m, r in checked.items() if m != "auto")
     assert "auto" not in checked or checked["auto"].prompts == took_mirror.count(False)
     assert "Latency model vs this run" in table and "| sd | 2 |" in table.split("Latency model vs this run")[1]
+    assert "| target step, 1 row |" in table.split("Terms (the profile's costs")[1]  # auto ran: a profile's terms
     paths = write_outputs(result, "cmd")
     assert {r["mode"] for r in json.loads(paths["latency"].read_text())} == set(checked)
     answers = [json.loads(line) for line in paths["answers"].read_text().splitlines()]
@@ -201,3 +202,24 @@ def test_latency_check_prices_each_run_from_its_own_acceptance():
     assert [(r.mode, r.split, r.predicted) for r in rows] == [("auto", "2 shared", 200.0)]
     assert "| auto (2 shared) | 1 | 200.00 | 150.00 | -25% (outside) |" in "\n".join(markdown_lines(rows, "2+2"))
     assert check(costs, [run("auto", 150.0, **own)], 2) == []  # its split's costs not given: not priced
+
+
+def test_the_report_gives_the_step_time_terms_in_target_steps():
+    """The profile's verification of 2 and 5 rows and its draft forward, in one-row target steps; nothing without a
+    profile (auto did not run) and no 5-row line when the profile stops at 4 rows."""
+    from types import SimpleNamespace
+
+    from mirrorsd.apps.bench_report import terms_lines
+    from mirrorsd.runtime.planner.latency import SplitCosts
+
+    costs = SplitCosts(target_threads=2, draft_threads=2, verify_s=(0.040, 0.044, 0.048, 0.050, 0.054),
+                       exit_s=(0.0,) * 5, draft1_s=0.014, branch_fwd_s=0.016, branch_batch=2)
+    text = "\n".join(terms_lines(SimpleNamespace(costs=costs)))
+    assert "of the 2+2 split" in text
+    assert "| target step, 1 row | 40.0 | 1.00 |" in text
+    assert "| verification, 2 rows | 44.0 | 1.10 |" in text
+    assert "| verification, 5 rows | 54.0 | 1.35 |" in text
+    assert "| draft forward, 1 row | 14.0 | 0.35 |" in text
+    assert terms_lines(SimpleNamespace(costs=None)) == []
+    short = SplitCosts(**{**costs.__dict__, "verify_s": costs.verify_s[:4], "exit_s": costs.exit_s[:4]})
+    assert "5 rows" not in "\n".join(terms_lines(SimpleNamespace(costs=short)))

@@ -67,6 +67,7 @@ def markdown(result: BenchResult, command: str) -> str:
         from mirrorsd.apps.latency_check import markdown_lines
 
         lines += markdown_lines(result.latency, result.costs.split)
+    lines += terms_lines(result)
     lines += _ceiling_lines(result, rows)
     lines += _native_lines(result)
     if result.skipped:
@@ -118,6 +119,21 @@ def machine_line(result: BenchResult) -> str:
     else:
         bandwidth = "copy bandwidth not measured in this run"
     return f"CPU: {cpu}; {result.machine.get('cpus', '?')} cores; flags: {flags}; {bandwidth}"
+
+
+def terms_lines(result: BenchResult) -> list[str]:
+    """The step-time model's terms from the profile's costs of the fixed modes' split (when auto ran): a window's
+    verification and a draft forward in one-row target steps, the terms speculation's speed rests on."""
+    costs = result.costs
+    if costs is None or not costs.verify_s or costs.verify_s[0] <= 0:
+        return []
+    step = costs.verify_s[0]
+    terms = [("target step, 1 row", step)]
+    terms += [(f"verification, {w} rows", costs.verify_s[w - 1]) for w in (2, 5) if w <= len(costs.verify_s)]
+    terms.append(("draft forward, 1 row", costs.draft1_s))
+    lines = ["", f"Terms (the profile's costs of the {costs.split} split, in one-row target steps):", "",
+             "| term | ms | target steps |", "|---|---|---|"]
+    return lines + [f"| {name} | {seconds * 1e3:.1f} | {seconds / step:.2f} |" for name, seconds in terms]
 
 
 def _ceiling_lines(result: BenchResult, rows: list[dict]) -> list[str]:
