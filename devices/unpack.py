@@ -104,14 +104,7 @@ def unpack_model(buf, folder: Path) -> bytes:
     """The serialized model ``buf`` with every ``unpack/...`` node evaluated and replaced by the initializers it
     makes (``folder``: where external data files are)."""
     graph = _graph_span(buf)
-    nodes, initializers = {}, {}  # (lo, hi) of the NodeProto -> node; initializer name -> (lo, hi) of its TensorProto
-    for number, wire, lo, hi in fields(buf, *graph):
-        if wire != LENGTH_DELIMITED:
-            continue
-        if number == _GRAPH_NODE:
-            nodes[lo, hi] = _read_node(buf, lo, hi)
-        elif number == _GRAPH_INITIALIZER:
-            initializers[_tensor_name(buf, lo, hi)] = (lo, hi)
+    nodes, initializers = graph_contents(buf)
     unpacking = [n for n in nodes.values() if n.name.startswith(UNPACK_PREFIX)]
     read_elsewhere = {name for n in nodes.values() if not n.name.startswith(UNPACK_PREFIX) for name in n.inputs}
     groups: dict[str, list[_Node]] = {}  # one weight's unpacking: its nodes share the name's scope
@@ -120,7 +113,7 @@ def unpack_model(buf, folder: Path) -> bytes:
     made = []
     for group in groups.values():
         wanted = {out for n in group for out in n.outputs} & read_elsewhere
-        results = _evaluate_in_rows(group, lambda name: _read_tensor(buf, *initializers[name], folder), wanted)
+        results = _evaluate_in_rows(group, lambda name: read_initializer(buf, initializers[name], folder), wanted)
         made += [message_field(_GRAPH_INITIALIZER, _tensor_message(name, value))
                  for name, value in sorted(results.items())]
     dropped = ({name for n in unpacking for name in n.inputs} - read_elsewhere) & set(initializers)
@@ -140,6 +133,28 @@ def unpack_model(buf, folder: Path) -> bytes:
         else:
             model += _field_parts(view, number, wire, lo, hi)
     return b"".join(model)
+
+
+def graph_contents(buf) -> tuple[dict[tuple[int, int], _Node], dict[str, tuple[int, int]]]:
+    """The top-level nodes of the serialized model ``buf`` ((lo, hi) of each NodeProto -> its op type, name, inputs,
+    outputs and int attributes) and where each initializer lies (name -> (lo, hi) of its TensorProto); weights are
+    skipped by their length. read_initializer reads one."""
+    graph = _graph_span(buf)
+    nodes, initializers = {}, {}
+    for number, wire, lo, hi in fields(buf, *graph) if graph else ():
+        if wire != LENGTH_DELIMITED:
+            continue
+        if number == _GRAPH_NODE:
+            nodes[lo, hi] = _read_node(buf, lo, hi)
+        elif number == _GRAPH_INITIALIZER:
+            initializers[_tensor_name(buf, lo, hi)] = (lo, hi)
+    return nodes, initializers
+
+
+def read_initializer(buf, span: tuple[int, int], folder: Path) -> np.ndarray:
+    """The values of the initializer whose TensorProto lies at ``span`` of ``buf`` (raw or external data in
+    ``folder``)."""
+    return _read_tensor(buf, *span, folder)
 
 
 CHUNK_BYTES = 8 << 20  # stored bytes per row chunk: the float32 temporaries of a chunk stay near 40-50 MB

@@ -384,9 +384,7 @@ def test_q4k_layer_error_within_the_activation_quantization_bound(lib, path, mon
 def test_python_asks_the_library_which_nodes_take_superblocks(lib, monkeypatch, tmp_path):
     """devices/kernels/superblocks.py puts the kernel's own question to the library for arrays read from a graph, and
     counts 5 bytes per column and block of every node with the form as not streamed; the form is in use only on a
-    path that has the layout and while MIRRORSD_KERNELS_SUPERBLOCKS is not 0."""
-    import onnx
-
+    path that has the layout and while MIRRORSD_KERNELS_SUPERBLOCKS is not 0. The graph is read without onnx."""
     from mirrorsd.devices.kernels import superblocks
 
     rng = np.random.default_rng(11)
@@ -397,8 +395,8 @@ def test_python_asks_the_library_which_nodes_take_superblocks(lib, monkeypatch, 
     assert superblocks.has_superblock_form(lib, 512, 256, q4k[0].scales, q4k[0].zero_points)
     assert not superblocks.has_superblock_form(lib, 512, 64, off.scales, off.zero_points)
     assert not superblocks.has_superblock_form(lib, 512, 64, off.scales[:-1], off.zero_points[:-1])  # wrong size
-    model = onnx.load_from_string(model_bytes([*q4k, off, symmetric], kernels.DOMAIN))
-    assert superblocks.bytes_saved(model, lib) == 5 * (256 * 16 + 64 * 8)
+    model = model_bytes([*q4k, off, symmetric], kernels.DOMAIN)
+    assert superblocks.bytes_saved(model, tmp_path, lib) == 5 * (256 * 16 + 64 * 8)
     monkeypatch.delenv("MIRRORSD_KERNELS_ISA", raising=False)
     monkeypatch.delenv(superblocks.ENV, raising=False)
     assert superblocks.in_use(lib) == (lib.fast_path in superblocks.PATHS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -44,23 +45,23 @@ def has_superblock_form(library: KernelLibrary, k: int, n: int, scales: np.ndarr
     return bool(function(k, n, scales.ctypes.data, zero_points.ctypes.data))
 
 
-def bytes_saved(model, library: KernelLibrary) -> int:
-    """Bytes per forward that the super-block layout saves on ``model`` (an onnx ModelProto with its initializers
-    loaded): SAVED_PER_BLOCK per column and block of every 4-bit MatMulNBits node with Q4_K's form."""
-    from onnx import numpy_helper
+def bytes_saved(buf, folder: Path, library: KernelLibrary) -> int:
+    """Bytes per forward that the super-block layout saves on the serialized model ``buf`` (external data in
+    ``folder``): SAVED_PER_BLOCK per column and block of every 4-bit MatMulNBits node with float zero points and
+    Q4_K's form. Read without the onnx package (devices/unpack.py's wire reader): the runtime installs without it."""
+    from mirrorsd.devices.unpack import graph_contents, read_initializer
 
-    initializers = {t.name: t for t in model.graph.initializer}
+    nodes, initializers = graph_contents(buf)
     saved = 0
-    for node in model.graph.node:
-        if node.op_type != "MatMulNBits" or len(node.input) < 4 or not node.input[3]:
+    for node in nodes.values():
+        if node.op_type != "MatMulNBits" or len(node.inputs) < 4 or not node.inputs[3]:
             continue
-        attributes = {a.name: a.i for a in node.attribute}
-        k, n = attributes.get("K", 0), attributes.get("N", 0)
-        if attributes.get("bits") != 4 or attributes.get("block_size") != BLOCK:
+        k, n = node.attributes.get("K", 0), node.attributes.get("N", 0)
+        if node.attributes.get("bits") != 4 or node.attributes.get("block_size") != BLOCK:
             continue
-        scales, zero_points = initializers.get(node.input[2]), initializers.get(node.input[3])
-        if scales is None or zero_points is None or zero_points.data_type != 1:  # float zero points only
+        if node.inputs[2] not in initializers or node.inputs[3] not in initializers:
             continue
-        if has_superblock_form(library, k, n, numpy_helper.to_array(scales), numpy_helper.to_array(zero_points)):
+        scales, zero_points = (read_initializer(buf, initializers[name], folder) for name in node.inputs[2:4])
+        if zero_points.dtype == np.float32 and has_superblock_form(library, k, n, scales, zero_points):
             saved += SAVED_PER_BLOCK * n * -(-k // BLOCK)
     return saved
