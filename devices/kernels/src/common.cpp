@@ -65,33 +65,41 @@ inline unsigned weight(const Shape& s, const uint8_t* b, int64_t n, int64_t blk,
 
 }  // namespace
 
+void pack_block_weights(const Shape& s, const uint8_t* b, int64_t g, int64_t blk, int64_t width, uint8_t flip,
+                        uint8_t* w) {
+  for (int64_t c = 0; c < width; ++c) {
+    const int64_t n = g * width + c;
+    const bool real = n < s.N;
+    for (int64_t v = 0; v < (s.bits == 4 ? 4 : 8); ++v) {
+      for (int64_t j = 0; j < 4; ++j) {
+        uint8_t* dst = w + v * 4 * width + 4 * c + j;
+        if (s.bits == 4) {
+          const unsigned lo = real ? weight(s, b, n, blk, 4 * v + j) : 8;
+          const unsigned hi = real ? weight(s, b, n, blk, 4 * (v + 4) + j) : 8;
+          *dst = static_cast<uint8_t>(lo | (hi << 4));
+        } else {
+          *dst = static_cast<uint8_t>((real ? weight(s, b, n, blk, 4 * v + j) : 128) ^ flip);
+        }
+      }
+    }
+  }
+}
+
 void pack_interleaved(const Shape& s, const uint8_t* b, const float* scales, const float* zero_points,
                       int64_t width, uint8_t flip, uint8_t* out) {
   const int64_t groups = (s.N + width - 1) / width;
   const int64_t wbytes = width * kBlock * s.bits / 8;
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t blk = 0; blk < s.kb; ++blk) {
-      uint8_t* w = out;
       float* sc = reinterpret_cast<float*>(out + wbytes);
       float* offsets = sc + width;  // only for a shape with offsets
+      pack_block_weights(s, b, g, blk, width, flip, out);
       out += interleaved_block_bytes(s, width);
       for (int64_t c = 0; c < width; ++c) {
         const int64_t n = g * width + c;
         const bool real = n < s.N;
         sc[c] = real ? scales[n * s.kb + blk] : 0.0f;
         if (s.offsets) offsets[c] = real ? offset(s, zero_points[n * s.kb + blk], sc[c]) : 0.0f;
-        for (int64_t v = 0; v < (s.bits == 4 ? 4 : 8); ++v) {
-          for (int64_t j = 0; j < 4; ++j) {
-            uint8_t* dst = w + v * 4 * width + 4 * c + j;
-            if (s.bits == 4) {
-              const unsigned lo = real ? weight(s, b, n, blk, 4 * v + j) : 8;
-              const unsigned hi = real ? weight(s, b, n, blk, 4 * (v + 4) + j) : 8;
-              *dst = static_cast<uint8_t>(lo | (hi << 4));
-            } else {
-              *dst = static_cast<uint8_t>((real ? weight(s, b, n, blk, 4 * v + j) : 128) ^ flip);
-            }
-          }
-        }
       }
     }
   }

@@ -134,6 +134,9 @@ int64_t interleaved_block_bytes(const Shape& shape, int64_t width);  // one bloc
 size_t interleaved_bytes(const Shape& shape, int64_t width);
 void pack_interleaved(const Shape& shape, const uint8_t* b, const float* scales, const float* zero_points,
                       int64_t width, uint8_t flip, uint8_t* out);
+// The weights of block blk of group g in that layout (4 or 8 vectors of 4 * width bytes) at w.
+void pack_block_weights(const Shape& shape, const uint8_t* b, int64_t g, int64_t blk, int64_t width, uint8_t flip,
+                        uint8_t* w);
 
 // A SIMD path over the interleaved layout, from its traits K (in an anonymous namespace of the path's own file, which
 // is compiled with its instruction set): K::kWidth columns per group, K::kMaxTile rows per tile at most, K::kFlip8

@@ -9,7 +9,6 @@
 // when its weights are packed; the super-block layout's packing is here too (the SIMD paths share it).
 #include <cmath>
 #include <cstring>
-#include <vector>
 
 #include "qgemm.hpp"
 
@@ -116,11 +115,7 @@ size_t superblock_layout_bytes(const Shape& shape, int64_t width) {
 void pack_superblock_layout(const Shape& s, const uint8_t* b, const SuperBlocks& parts, int64_t width,
                             uint8_t* out) {
   constexpr int64_t B = SuperBlocks::kBlocks;
-  // the weights as the interleaved layout packs them (its scales and offsets unused here), then regrouped
-  const int64_t usual_block = interleaved_block_bytes(s, width), weights = width * kBlock / 2;
-  std::vector<float> unused(static_cast<size_t>(s.N * s.kb), 0.0f);
-  std::vector<uint8_t> usual(interleaved_bytes(s, width));
-  pack_interleaved(s, b, unused.data(), unused.data(), width, 0, usual.data());
+  const int64_t weights = width * kBlock / 2;  // one block's codes, as the interleaved layout packs them
   const int64_t groups = (s.N + width - 1) / width, supers = s.kb / B;
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t t = 0; t < supers; ++t) {
@@ -140,8 +135,7 @@ void pack_superblock_layout(const Shape& s, const uint8_t* b, const SuperBlocks&
         }
       }
       for (int64_t j = 0; j < B; ++j)
-        std::memcpy(o + superblock_head(width) + j * weights, usual.data() + (g * s.kb + t * B + j) * usual_block,
-                    static_cast<size_t>(weights));
+        pack_block_weights(s, b, g, t * B + j, width, 0, o + superblock_head(width) + j * weights);
     }
 }
 
