@@ -121,3 +121,12 @@ def _superblock_savings(path: Path, unpacked: bytes | None, library) -> int:
         return superblocks.bytes_saved(unpacked, path.parent, library)
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         return superblocks.bytes_saved(buf, path.parent, library)
+
+
+def ceilings(folder: Path, manifest: Manifest, thread_counts: tuple[int, ...]) -> list[Ceiling]:
+    weights = target_weight_bytes(folder, manifest)
+    out = []
+    for threads in thread_counts:
+        bandwidth = copy_bandwidth(threads)
+        out.append(Ceiling(threads, bandwidth, weights / 1e9, bandwidth * 1e9 / weights, read_bandwidth(threads)))
+    return out
