@@ -25,6 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from mirrorsd.devices.heap import HeapTrimmer, trim_heap
+from mirrorsd.devices.openvino_import import load_openvino
 from mirrorsd.devices.unpack import unpacked_bytes, uses_external_data
 from mirrorsd.errors import DeviceError, GraphFileError
 
@@ -308,7 +309,7 @@ class OpenVINOSession:
 
     def __init__(self, path: Path, settings: SessionSettings) -> None:
         try:
-            import openvino as ov
+            ov = load_openvino()
         except ImportError as exc:
             raise DeviceError("The OpenVINO runtime is not installed", str(exc),
                               "pip install 'mirrorsd[openvino]', or pick an onnxruntime device") from exc
@@ -455,7 +456,7 @@ class OpenVINOSession:
         survives the round trip bit for bit (f32 holds every value); a u8 cache is re-quantized from its dequantized
         values and changes, so the runtime refuses u8 for the target (OpenVINOTuning.inexact).
         """
-        import openvino as ov
+        ov = load_openvino()
 
         if not 0 <= length <= self.state_length:
             raise ValueError(f"cannot trim a state of {self.state_length} slots to {length}")

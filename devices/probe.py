@@ -12,6 +12,7 @@ import functools
 import threading
 from dataclasses import dataclass
 
+from mirrorsd.devices.openvino_import import load_openvino
 from mirrorsd.onnx_wire import message_field as _msg
 from mirrorsd.onnx_wire import varint_field as _varint_field
 
@@ -176,7 +177,7 @@ def register_plugin_ep() -> None:
 
 def _openvino() -> tuple[str | None, tuple[str, ...], tuple[tuple[str, str], ...]]:
     try:
-        import openvino as ov
+        ov = load_openvino()
     except ImportError:
         return None, (), ()
     core = ov.Core()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -24,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from child_process import python_command
 
 TOOLS = {"mirrorsd": "mirrorsd.apps.cli", "mirrorsd-export": "mirrorsd.export.cli",
          "mirrorsd-train-draft": "mirrorsd.export.streaming.cli", "mirrorsd-train-exit": "mirrorsd.export.early_exit.cli"}
@@ -44,10 +45,11 @@ class Run:
     env: dict[str, str] = field(default_factory=dict)  # added to the environment (e.g. a profile cache folder)
 
     def command(self) -> list[str]:
+        """The Python command line, bounded to MEMORY_LIMIT bytes with SIGINT at its default (tests/child_process.py:
+        a hostile case must hit a memory limit, not the machine; SIGINT as a shell leaves it)."""
         tool, *args = self.argv
-        if tool == "python":
-            return [sys.executable, *args]
-        return [sys.executable, "-m", TOOLS[tool], *args]
+        script = args if tool == "python" else ["-m", TOOLS[tool], *args]
+        return python_command(*script, memory_limit=MEMORY_LIMIT)
 
 
 @dataclass(frozen=True)
@@ -191,8 +193,7 @@ def execute(case: Case, workspace: Workspace) -> Outcome:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **run.env}
     env = {k: v for k, v in env.items() if v is not None}  # a case's None removes a variable
     started = time.perf_counter()
-    proc = subprocess.Popen(run.command(), cwd=run.cwd, stdout=stdout, stderr=subprocess.PIPE, env=env,
-                            preexec_fn=_limits)
+    proc = subprocess.Popen(run.command(), cwd=run.cwd, stdout=stdout, stderr=subprocess.PIPE, env=env)
     if run.stdout == "closed":
         proc.stdout.close()  # the reader is gone before the first byte: every write meets EPIPE
     out, err, killed = _wait(proc, run, started)
@@ -204,12 +205,6 @@ def execute(case: Case, workspace: Workspace) -> Outcome:
 
 def _relative(path: str, root: Path) -> str:
     return str(Path(path).relative_to(root)) if Path(path).is_relative_to(root) else path
-
-
-def _limits() -> None:
-    """In the child: a hostile case must hit a memory limit, not the machine; SIGINT/SIGTERM as a shell leaves them."""
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait(proc: subprocess.Popen, run: Run, started: float) -> tuple[str, str, bool]:

@@ -79,10 +79,10 @@ def test_a_table_that_is_not_the_file_s_becomes_8_bit_blocks(wide_model, tmp_pat
 
 def test_8_bit_blocks_are_within_half_a_step_and_run_alike_everywhere():
     """Float sources: symmetric 8-bit blocks of 32; ONNX Runtime and OpenVINO (CPU, f32) compute the same rows."""
-    import openvino as ov
-
+    from mirrorsd.devices.openvino_import import load_openvino
     from mirrorsd.export.embedding import EmbeddingPlan, int8_table, replace_embeddings
 
+    ov = load_openvino()
     rng = np.random.default_rng(0)
     weight = (rng.standard_normal((300, 96)) * np.exp2(rng.integers(-6, 3, (300, 1)))).astype(np.float32)
     weight[4] = 0.0  # an all-zero row: scale 0, codes at the centre

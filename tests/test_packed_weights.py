@@ -153,11 +153,11 @@ def test_mirrorsds_unpacking_equals_plain_storage_bit_for_bit(folders, monkeypat
 def test_openvino_runs_a_packed_draft_from_the_unpacked_bytes(folders):
     """OpenVINO's reader refuses the packed file itself (its MatMulNBits needs constant zero points); mirrorsd hands
     it the unpacked graph. OpenVINO's CPU plugin stands in for the NPU here (no NPU on this machine)."""
-    import openvino as ov
-
+    from mirrorsd.devices.openvino_import import load_openvino
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import GenerationConfig, Pipeline
 
+    ov = load_openvino()
     if "CPU" not in ov.Core().available_devices:
         pytest.skip("OpenVINO has no CPU device here")
     with pytest.raises(Exception):

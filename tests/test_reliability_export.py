@@ -23,6 +23,7 @@ from mirrorsd.export import assembly, onnx_writer
 from mirrorsd.export.pipeline import ExportOptions, export
 from mirrorsd.names import MANIFEST_FILE
 
+from child_process import python_command
 from tiny_models import build_model
 
 
@@ -123,11 +124,9 @@ def test_pickle_beside_safetensors_is_never_loaded(model_copy, out, tmp_path, mo
 # ---- Ctrl-C on the real CLI ------------------------------------------------------------------------------------
 def test_sigint_mid_export_leaves_nothing(tiny_model, out):
     model = tiny_model("llama", layers=8)  # deep enough that tracing lasts a few seconds
-    # a test run started in the background (`cmd &`) inherits SIGINT ignored, and Python then installs no
-    # KeyboardInterrupt handler: give the child the default disposition, as an interactive shell would
-    proc = subprocess.Popen([sys.executable, "-m", "mirrorsd.export.cli", "--model", str(model), "--output", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # the child gets SIGINT's default disposition, as from an interactive shell (tests/child_process.py)
+    proc = subprocess.Popen(python_command("-m", "mirrorsd.export.cli", "--model", str(model), "--output", str(out)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
     try:
         for line in proc.stderr:

@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from mirrorsd.devices.openvino_import import load_openvino
 from mirrorsd.errors import GenerationInputError
 from mirrorsd.apps.peer_types import (INSTALL_HINT, PEER_MODES, PeerModels, PeerOutput,  # noqa: F401 (re-exported)
                                      PeerUnavailableError, cut_at_eos, peer_stats)
@@ -139,7 +140,7 @@ class OpenVINOGenAIPeer:
     def __init__(self, models: PeerModels, eos_ids: tuple[int, ...], speculative: bool, progress: bool = True,
                  user: bool = False):
         try:
-            import openvino as ov
+            ov = load_openvino()
             import openvino_genai
         except ImportError as exc:
             raise PeerUnavailableError("openvino-genai is not installed", str(exc), INSTALL_HINT) from exc
