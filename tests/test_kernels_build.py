@@ -35,6 +35,18 @@ def test_without_a_compiler_the_reason_is_given(monkeypatch, tmp_path, capsys):
     assert "No C++ compiler found" in capsys.readouterr().out
 
 
+def test_its_report_piped_into_head_ends_quietly():
+    """`python -m mirrorsd.devices.kernels | head -1`, with the reader gone before the first line: no BrokenPipeError
+    traceback, exit 0 (as every mirrorsd command, mirrorsd/cli_exit.py)."""
+    library_or_skip()
+    proc = subprocess.Popen([sys.executable, "-m", "mirrorsd.devices.kernels"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # every write meets EPIPE
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+
+
 def test_a_failing_compiler_reports_its_error_and_leaves_nothing(monkeypatch, tmp_path):
     compiler = tmp_path / "broken-c++"
     compiler.write_text("#!/bin/sh\necho 'broken-c++ 1.0'\necho 'error: this compiler is broken' >&2\nexit 1\n")

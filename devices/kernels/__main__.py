@@ -30,4 +30,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mirrorsd.cli_exit import run_command
+
+    sys.exit(run_command(main))  # `| head -1` ends it quietly, as every mirrorsd command
