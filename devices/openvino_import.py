@@ -20,18 +20,21 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
+import threading
 from types import ModuleType
 
 TELEMETRY_MODULE = "openvino_telemetry"  # pip: openvino-telemetry, installed with openvino
+_first_import = threading.Lock()  # two threads' first imports must not save and restore each other's marker
 
 
 def load_openvino() -> ModuleType:
     """The ``openvino`` module, imported (once a process) with its usage telemetry replaced by OpenVINO's no-op."""
-    loaded = sys.modules.get("openvino")
-    if loaded is not None:
-        return loaded
-    with _unimportable(TELEMETRY_MODULE):
-        return importlib.import_module("openvino")
+    with _first_import:
+        loaded = sys.modules.get("openvino")
+        if loaded is not None:
+            return loaded
+        with _unimportable(TELEMETRY_MODULE):
+            return importlib.import_module("openvino")
 
 
 @contextlib.contextmanager
