@@ -76,6 +76,40 @@ def test_paths_agree_bit_for_bit(lib, bits, zero_points, monkeypatch):
         np.testing.assert_array_equal(outputs[p], outputs[runnable[0]], err_msg=f"{p} vs {runnable[0]}")
 
 
+def prefetch_setting(lib) -> int:
+    handle = ctypes.CDLL(str(lib.path))
+    handle.mirrorsd_kern_prefetch.restype = ctypes.c_int
+    return handle.mirrorsd_kern_prefetch()
+
+
+def test_prefetch_follows_the_setting_and_changes_no_bit(lib, monkeypatch):
+    """MIRRORSD_KERNELS_PREFETCH=0/1 turns the tiles' prefetching off/on; unset, it is on except for the AVX-512 path
+    on a CPU that is not Intel's (the vendor /proc/cpuinfo names). Every path this CPU runs gives the same bits either
+    way, with and without zero points and in super-blocks."""
+    monkeypatch.delenv("MIRRORSD_KERNELS_PREFETCH", raising=False)
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    vendor = next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")), "")
+    for path in (p for p in PATHS if lib.paths.get(p)):
+        monkeypatch.setenv(kernels.ISA_ENV, path)
+        expected = 0 if path == "avx512vnni" and vendor != "GenuineIntel" else 1
+        assert prefetch_setting(lib) == expected, (path, vendor)
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    for value in ("0", "1"):
+        monkeypatch.setenv("MIRRORSD_KERNELS_PREFETCH", value)
+        assert prefetch_setting(lib) == int(value)
+    rng = np.random.default_rng(30)
+    models = [model_bytes(random_layers(rng, [512, 300, 64], 4, zero_points=zp), kernels.DOMAIN) for zp in (False, True)]
+    models.append(model_bytes(q4k_layers(rng, [512, 256, 64]), kernels.DOMAIN))
+    a = rng.standard_normal((7, 512)).astype(np.float32)
+    for path in (p for p in PATHS if lib.paths.get(p)):
+        for model in models:
+            got = {}
+            for value in ("0", "1"):
+                monkeypatch.setenv("MIRRORSD_KERNELS_PREFETCH", value)
+                got[value] = run(open_session(model, monkeypatch, 2, isa=path), a)
+            np.testing.assert_array_equal(got["0"], got["1"], err_msg=path)
+
+
 @ZERO_POINTS
 @pytest.mark.parametrize("bits", [4, 8])
 def test_every_row_count_equals_the_scalar_path(lib, bits, zero_points, monkeypatch):

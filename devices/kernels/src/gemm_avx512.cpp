@@ -77,7 +77,7 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* p = panel;
   for (int64_t blk = 0; blk < s.kb; ++blk, p += stride) {
-    for (int64_t line = 0; line < stride; line += 64)
+    for (int64_t line = 0; s.prefetch && line < stride; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * stride + line), _MM_HINT_T1);
     __m512i w[8];
     load_block<BITS>(p, w);
@@ -132,7 +132,7 @@ void superblock_tile(const Shape& s, const uint8_t* panel, const QuantizedRows& 
     const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(p));
     const __m512 dmin = _mm512_load_ps(reinterpret_cast<const float*>(p) + kColumns);
     for (int64_t j = 0; j < B; ++j) {
-      for (int64_t line = 0; line < lines; ++line)
+      for (int64_t line = 0; s.prefetch && line < lines; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(p + kSuperAhead + (j * lines + line) * 64), _MM_HINT_T1);
       const int64_t blk = t * B + j;
       __m512i w[8];

@@ -101,6 +101,17 @@ void run_task(void* data, size_t task) {
 
 }  // namespace
 
+bool prefetch_wanted(const Path& path) {
+  const char* value = std::getenv("MIRRORSD_KERNELS_PREFETCH");
+  if (value && *value) return std::strcmp(value, "0") != 0;
+#if defined(__x86_64__) || defined(_M_X64)
+  return &path != &avx512_path() || __builtin_cpu_is("intel");
+#else
+  (void)path;
+  return true;
+#endif
+}
+
 bool superblocks_wanted() {
   const char* value = std::getenv("MIRRORSD_KERNELS_SUPERBLOCKS");
   return !(value && std::strcmp(value, "0") == 0);
@@ -159,6 +170,7 @@ OrtStatus* Kernel::check_optional_inputs(const OrtKernelInfo* info) {
     return error(ORT_NOT_IMPLEMENTED, "g_idx is given (act-order weights are not handled)",
                  "run the node with ONNX Runtime's own kernel");
   shape_.offsets = input_present(api_, info, kZeroPoints);
+  shape_.prefetch = prefetch_wanted(*path_);
   return nullptr;
 }
 

@@ -26,6 +26,13 @@ bool superblocks_wanted();
 // MatMulNBits nodes packed in a super-block layout since the library was loaded (mirrorsd_kern_superblock_nodes).
 size_t superblock_nodes();
 
+// Whether the tiles of `path` prefetch B ahead of the stream (Shape::prefetch): MIRRORSD_KERNELS_PREFETCH=1 or 0 when
+// set (read when a session creates its kernels), else yes, except the AVX-512 path on a CPU that is not Intel's.
+// Measured on the Qwen pair: an Intel Xeon VM (Sapphire Rapids class) ran sd 7-10 % faster with the AVX-512 path's
+// prefetch; on an AMD EPYC (Zen 4 class) that path ran ar 4-7 % and sd 3-5 % faster without it, while its AVX2 path
+// ran sd 5-6 % faster with its own (docs/lab-notes/performance-log.md). It never changes a result.
+bool prefetch_wanted(const Path& path);
+
 // A tensor's data, dimensions, element count and element type (read through the API).
 struct TensorView {
   void* data = nullptr;
