@@ -1,6 +1,8 @@
 """Replay the draft-confidence stop on real windows: run sd at a long window with every pick's draft probability
 recorded, then compute, for each threshold and window cap, what a confidence-stopped sd would have drafted,
-verified and committed on the same steps (greedy: its tokens are the same, only the windows' lengths change).
+verified and committed on the same steps (greedy: its tokens are the same, only the windows' lengths change),
+and the bound of any stop rule on them (an oracle that drafts exactly what the target will accept, with this draft's
+cost and with a free one).
 Costs come from one-row draft forwards and w-row target passes timed here, interleaved, on the same pipeline.
 
     python scripts/lab/confidence_replay.py EXPORT [GAMMA (default 8)] [TOKENS (default 128)] [PER_CATEGORY (1)]
@@ -90,6 +92,18 @@ def replay(steps, threshold: float, cap: int, draft_s: float, verify_s: list[flo
     return tokens / n, seconds / n, drafted / n
 
 
+def oracle(steps, cap: int, draft_s: float, verify_s: list[float]) -> tuple[float, float]:
+    """(tokens per step, seconds per step) of a stop rule that knows the future: each window drafts exactly the
+    tokens the target will accept (none: a plain target step), at most ``cap``; the bound of any stop rule with
+    this draft and these costs."""
+    tokens = seconds = 0.0
+    for _, accepted in steps:
+        length = min(accepted, cap)
+        tokens += length + 1
+        seconds += length * draft_s + verify_s[length]
+    return tokens / len(steps), seconds / len(steps)
+
+
 def main(folder: str, gamma: int, tokens: int, per_category: int, dump: str | None = None) -> None:
     questions = specbench.first_per_category(specbench.read(None), (), per_category)
     with Pipeline.load(folder, DeviceRequest(spin_in_run=True)) as pipe:
@@ -113,6 +127,20 @@ def main(folder: str, gamma: int, tokens: int, per_category: int, dump: str | No
                 t, s, _ = replay(steps, threshold, cap, draft_s, verify_s)
                 cells.append(f"{t / (s / step):10.3f}")
             print(f"{cap:>3} {threshold:5.2f} " + " ".join(cells))
+    print("oracle stop (drafts exactly what the target accepts), by window cap")
+    for cap in range(1, gamma + 1):
+        cells = []
+        for steps in groups.values():
+            t, s = oracle(steps, cap, draft_s, verify_s)
+            cells.append(f"{t / (s / step):10.3f}")
+        print(f"{cap:>3} {'orcl':>5} " + " ".join(cells))
+    print("the same with a draft that costs nothing (what verification alone allows at this acceptance)")
+    for cap in range(1, gamma + 1):
+        cells = []
+        for steps in groups.values():
+            t, s = oracle(steps, cap, 0.0, verify_s)
+            cells.append(f"{t / (s / step):10.3f}")
+        print(f"{cap:>3} {'free':>5} " + " ".join(cells))
 
 
 if __name__ == "__main__":
