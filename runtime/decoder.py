@@ -1,6 +1,6 @@
 """The decode skeleton shared by every strategy: propose -> verify -> commit -> roll back.
 
-    prefill:  target(prompt) -> first token c0           (cache: prompt; c0 pending)
+    prefill:  target(prompt) -> first token c0           (cache: prompt; c0 pending; PREFILL_CHUNK tokens a forward)
     step:     window = proposer.propose(committed, g)    (g = 0 for ar)
               logits = target([last] + window)           (exit head hands top-k to the proposer on the way)
               verdict = verify(window, logits)           (A accepted, correction c: greedy argmax, or a sampling
@@ -57,7 +57,7 @@ def decode(target: TargetModel, proposer: Proposer, prompt: list[int], settings:
     sampler = settings.sampler
     proposer.reset(prompt, sampler)
     try:  # from here on the proposer may run a worker thread: stop it however this ends (emit may raise too)
-        logits = target.extend(prompt)[-1:]  # [1, vocab]
+        logits = target.prefill(prompt)  # [1, vocab]
         first = sampler.first_token(logits, prompt)
         outcome = DecodeOutcome([], counters, 0.0, time.perf_counter() - started)
         committed = list(prompt)

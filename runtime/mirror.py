@@ -118,7 +118,7 @@ class DraftWorker(threading.Thread):
             if not kept:
                 self.draft.reset(capacity=len(message.tokens) + 64)
             if kept < len(self.committed):
-                self.draft.extend(self.committed[kept:])  # the rest of the prompt
+                self.draft.prefill(self.committed[kept:])  # the rest of the prompt
             return self.inbox.get()
         if isinstance(message, _Propose):
             self.committed = list(message.committed)

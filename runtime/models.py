@@ -17,6 +17,12 @@ from mirrorsd.runtime.state_cache import target_cache
 from mirrorsd.runtime.verify import candidate_logprobs, exit_candidates
 
 ExitCallback = Callable[[np.ndarray, np.ndarray], None]  # (topk_ids [S, k], topk_logprobs [S, k])
+# Prompt tokens per forward when a prompt is read (prefill), in both models; the C++ library (runtime/native) uses the
+# same number. One forward over a whole long prompt asks for its attention scores [heads, S, S] and its logits
+# [S, vocab] at once: ~1.8 GB of logits and 0.4 GB of scores per layer at 3,000 tokens for the 1.5B Qwen target,
+# more than this machine's memory at 30,000 (within its context). In chunks the peak stays that of 256 tokens, and
+# every chunk's rows are what a verification window of the same tokens computes.
+PREFILL_CHUNK = 256
 # A callback may carry ``draft_top`` (ids [g, k], the draft's own top-k at each window position): with a sparse exit
 # head (exit_sparse.onnx) only those tokens are scored, instead of the whole vocabulary (verify.exit_candidates).
 
@@ -107,6 +113,17 @@ class TargetModel:
         ids, mask, positions = single_row_inputs(tokens, self.length)
         return self.forward(ids, mask, positions, on_exit)[0]
 
+    def prefill(self, tokens, chunk: int | None = None) -> np.ndarray:
+        """Single sequence: feed ``tokens`` (a prompt) after the cached ones, PREFILL_CHUNK at a time; returns the
+        logits of the last one [1, vocab]."""
+        chunk = chunk or PREFILL_CHUNK
+        logits = None
+        for start in range(0, len(tokens), chunk):
+            logits = self.extend(tokens[start:start + chunk])  # [<= chunk, vocab]
+        if logits is None:
+            raise ValueError("prefill needs at least one token")
+        return logits[-1:]
+
 
 class DraftModel:
     """The draft graph with its main KV cache; branch rollouts pass caches of their own."""
@@ -153,6 +170,12 @@ class DraftModel:
         logits = self.forward(self.cache, ids, mask, positions)[0]
         self.cache_tokens.extend(int(t) for t in tokens)
         return logits
+
+    def prefill(self, tokens: list[int], chunk: int | None = None) -> None:
+        """Feed ``tokens`` (a prompt) to the main cache, PREFILL_CHUNK at a time; their logits are not kept."""
+        chunk = chunk or PREFILL_CHUNK
+        for start in range(0, len(tokens), chunk):
+            self.extend(tokens[start:start + chunk])
 
     def keep_prefix(self, tokens: list[int]) -> int:
         """Start a new text: keep the main-cache slots whose tokens begin ``tokens`` (a shared system prompt, an

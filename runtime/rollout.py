@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from mirrorsd.runtime import models
 from mirrorsd.runtime.kv_cache import KVCache
 from mirrorsd.runtime.models import DraftModel
 from mirrorsd.runtime.sampling import GREEDY, Sampler
@@ -109,6 +110,9 @@ def fresh(draft: DraftModel, committed: list[int], gamma: int, sampler: Sampler 
     if not pending:  # everything is cached: feed the last committed token again for its logits
         draft.truncate(len(committed) - 1)
         pending = committed[-1:]
+    elif len(pending) > models.PREFILL_CHUNK:  # a prompt: read in chunks; its last token starts the window
+        draft.prefill(pending[:-1])
+        pending = pending[-1:]
     start = draft.cache.length
     row = _Row(list(pending), start, list(committed) if sampler.needs_context else None, list(guess or []))
     mask = np.ones((1, start), np.int64)  # [1, length]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from conftest import ARCHS
@@ -48,6 +49,25 @@ def test_native_modes_equal_python_ar(arch, exported, pipelines, native_models):
                 py = pipe.generate(prompt, GenerationConfig(mode="mirror", branch_budget=budget, exit_head=False,
                                                             **settings))
                 check_counters(stats, py.stats, f"mirror {arch} gamma {gamma}")
+
+
+def test_a_prompt_longer_than_a_prefill_chunk_like_python(exported, pipelines, native_models):
+    """A prompt of more than kPrefillChunk (= PREFILL_CHUNK) tokens is read in the same chunks by both hosts: C ar ==
+    Python ar, and C sd takes Python sd's steps; both caches end holding the whole prompt."""
+    from mirrorsd.runtime.models import PREFILL_CHUNK
+
+    folder = exported("qwen2", draft_layers=2)
+    pipe, native = pipelines(folder), native_models(folder)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 380, PREFILL_CHUNK + 45)]
+    ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW))
+    c_ar = native.generate(prompt, mode="ar", max_new_tokens=NEW)
+    assert c_ar.tokens == ar.tokens
+    sd = pipe.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=3))
+    c_sd = native.generate(prompt, mode="sd", max_new_tokens=NEW, gamma=3)
+    assert c_sd.tokens == sd.tokens == ar.tokens
+    check_counters(c_sd.stats, sd.stats, "sd, long prompt")
+    c_mirror = native.generate(prompt, mode="mirror", max_new_tokens=NEW, gamma=3, branch_budget="cap")
+    assert c_mirror.tokens == ar.tokens
 
 
 def test_identical_draft_is_always_accepted_and_reused(exported, native_models):

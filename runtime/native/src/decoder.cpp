@@ -96,7 +96,7 @@ DecodeOutcome decode(TargetModel& target, Proposer& first_proposer, const std::v
   FinishGuard guard{&first_proposer};  // from here on the proposer may run a worker thread
   std::vector<int64_t> committed = prompt;
   Decoding loop(settings, emit, out, committed);
-  Rows logits = target.extend(prompt, nullptr);
+  Rows logits = target.prefill(prompt);
   const int64_t first = argmax(logits.row(logits.rows - 1), logits.width);
   out.time_to_first_token_s = now_seconds() - started;
   bool done = loop.commit({first});

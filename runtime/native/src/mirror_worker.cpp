@@ -62,7 +62,7 @@ Message DraftWorker::serve(Message message) {
     committed_ = prefill->tokens;
     draft_.reset();
     const std::vector<int64_t> pending = draft_.sync_to(committed_);
-    if (!pending.empty()) draft_.extend(pending);
+    if (!pending.empty()) draft_.prefill(pending);
     return inbox.get();
   }
   if (auto* propose = std::get_if<ProposeMsg>(&message)) {

@@ -1,5 +1,6 @@
 #include "models.hpp"
 
+#include <algorithm>
 #include <numeric>
 
 #include "errors.hpp"
@@ -83,6 +84,16 @@ Rows TargetModel::extend(const std::vector<int64_t>& tokens, const ExitCallback*
   return flat(std::move(logits), s, vocab_, "'suffix'");
 }
 
+Rows TargetModel::prefill(const std::vector<int64_t>& tokens) {
+  if (tokens.empty()) throw Error(Code::InvalidArgument, "prefill needs at least one token", "", "pass the prompt");
+  Rows logits;
+  for (size_t start = 0; start < tokens.size(); start += kPrefillChunk) {
+    const size_t end = std::min(tokens.size(), start + static_cast<size_t>(kPrefillChunk));
+    logits = extend(std::vector<int64_t>(tokens.begin() + start, tokens.begin() + end), nullptr);
+  }
+  return logits;
+}
+
 DraftModel::DraftModel(GraphSession& session, int64_t vocab) : session_(session), vocab_(vocab) { reset(); }
 
 void DraftModel::reset() {
@@ -108,6 +119,13 @@ std::vector<int64_t> DraftModel::sync_to(const std::vector<int64_t>& committed) 
   cache_.truncate(static_cast<int64_t>(keep));
   cache_tokens_.resize(keep);
   return std::vector<int64_t>(committed.begin() + static_cast<std::ptrdiff_t>(keep), committed.end());
+}
+
+void DraftModel::prefill(const std::vector<int64_t>& tokens) {
+  for (size_t start = 0; start < tokens.size(); start += kPrefillChunk) {
+    const size_t end = std::min(tokens.size(), start + static_cast<size_t>(kPrefillChunk));
+    extend(std::vector<int64_t>(tokens.begin() + start, tokens.begin() + end));
+  }
 }
 
 Rows DraftModel::extend(const std::vector<int64_t>& tokens) {

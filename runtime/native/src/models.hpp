@@ -23,6 +23,11 @@ struct Rows {
 // The early-exit message: topk ids and log-probs [positions, k] of batch row 0.
 using ExitCallback = std::function<void(const int64_t* ids, const float* logprobs, int64_t positions, int64_t k)>;
 
+// Prompt tokens per forward when a prompt is read, in both models: runtime/models.py's PREFILL_CHUNK (the same
+// number, so both hosts run the same forwards). A whole long prompt in one forward would ask for its attention
+// scores [heads, S, S] and logits [S, vocab] at once.
+constexpr int64_t kPrefillChunk = 256;
+
 class TargetModel {
  public:
   TargetModel(GraphSession& prefix, GraphSession& exit_head, GraphSession& suffix, int64_t vocab);
@@ -32,6 +37,8 @@ class TargetModel {
   // One unpadded row: feed `tokens` after the cached ones; logits [S, vocab]. With `on_exit` the exit head runs on
   // the prefix's hidden states before the suffix starts and hands its top-k over at once (Mirror-SD's message).
   Rows extend(const std::vector<int64_t>& tokens, const ExitCallback* on_exit);
+  // A prompt: extend by kPrefillChunk tokens at a time; the last chunk's logits [<= kPrefillChunk, vocab].
+  Rows prefill(const std::vector<int64_t>& tokens);
 
  private:
   GraphSession &prefix_, &exit_head_, &suffix_;
@@ -53,6 +60,8 @@ class DraftModel {
   std::vector<int64_t> sync_to(const std::vector<int64_t>& committed);
   // Feed `tokens` to the main cache; logits [S, vocab].
   Rows extend(const std::vector<int64_t>& tokens);
+  // A prompt: feed `tokens` to the main cache kPrefillChunk at a time, dropping their logits.
+  void prefill(const std::vector<int64_t>& tokens);
 
  private:
   GraphSession& session_;

@@ -9,6 +9,9 @@ Rollout fresh(DraftModel& draft, const std::vector<int64_t>& committed, int gamm
   if (feed.empty()) {  // everything is cached (never after a verdict): feed the last committed token again
     draft.sync_to(std::vector<int64_t>(committed.begin(), committed.end() - 1));
     feed = {committed.back()};
+  } else if (static_cast<int64_t>(feed.size()) > kPrefillChunk) {  // a prompt: in chunks; its last token drafts
+    draft.prefill(std::vector<int64_t>(feed.begin(), feed.end() - 1));
+    feed = {feed.back()};
   }
   Rollout out;
   out.top_ids.resize(static_cast<size_t>(gamma * top_k));

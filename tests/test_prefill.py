@@ -1,0 +1,80 @@
+"""A prompt is read PREFILL_CHUNK tokens per forward (runtime/models.py): the target's and the draft's caches end
+holding the whole prompt, the first token is the one a single forward over the prompt picks, every mode still emits
+ar's tokens, and the C++ library reads a prompt in the same chunks as the Python runtime."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mirrorsd.runtime import GenerationConfig, models
+
+CHUNK = 8  # small, so the tiny models' prompts span several chunks
+PROMPTS = [list(range(20, 60)), [1, 250, 3, 3, 3, 100, 200, 12, 8, 60, 61, 62] * 3, list(range(100, 108)),
+           list(range(300, 309))]
+NEW = 24
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(models, "PREFILL_CHUNK", CHUNK)
+
+
+def test_chunked_prefill_fills_the_cache_and_picks_the_same_first_token(exported, pipelines):
+    pipe = pipelines(exported("qwen2", draft_layers=2))
+    prompt = PROMPTS[0]  # 40 tokens: 5 chunks of 8
+    pipe.target.reset(1, 64)
+    whole = pipe.target.extend(prompt)[-1:]  # [1, vocab]: one forward over the prompt
+    pipe.target.reset(1, 64)
+    pipe.target_timeline.clear()
+    chunked = pipe.target.prefill(prompt, chunk=CHUNK)
+    assert pipe.target.length == len(prompt)
+    assert len(pipe.target_timeline.intervals) == 2 * 5  # prefix and suffix, once per chunk
+    assert chunked.shape == whole.shape
+    assert int(np.argmax(chunked)) == int(np.argmax(whole))
+    np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-4)
+    # the cached keys of the first chunk are the ones the single forward wrote
+    pipe.target.truncate(CHUNK)
+    again = pipe.target.prefill(prompt[CHUNK:], chunk=CHUNK)
+    np.testing.assert_array_equal(again, chunked)
+
+
+def test_draft_prefill_reads_the_prompt_into_its_cache(exported, pipelines):
+    pipe = pipelines(exported("llama", draft_layers=2))
+    pipe.draft.reset(capacity=8)
+    pipe.draft.prefill(PROMPTS[1], chunk=CHUNK)
+    assert pipe.draft.cache.length == len(PROMPTS[1])
+    assert pipe.draft.cache_tokens == PROMPTS[1]
+
+
+def test_empty_prefill_is_refused(exported, pipelines):
+    pipe = pipelines(exported("llama", draft_layers=2))
+    pipe.target.reset(1, 8)
+    with pytest.raises(ValueError, match="at least one token"):
+        pipe.target.prefill([])
+
+
+@pytest.mark.parametrize("draft", ["identical", "truncated"])
+def test_every_mode_equals_ar_with_chunked_prompts(draft, exported, pipelines, small_chunks):
+    folder = exported("llama", draft_layers=4 if draft == "identical" else 2)
+    pipe = pipelines(folder)
+    configs = [dict(mode="sd", gamma=3), dict(mode="sd", gamma=4, draft_confidence=0.8, ngram=True),
+               dict(mode="mirror", gamma=3, branch_budget="cap"), dict(mode="ngram", gamma=4)]
+    for prompt in PROMPTS:
+        ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW))
+        for config in configs:
+            out = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW, **config))
+            assert out.tokens == ar.tokens, (config, prompt)
+            if draft == "identical" and config["mode"] == "sd":
+                assert out.stats.acceptance_rate == 1.0  # the draft read the whole prompt
+        if len(prompt) > CHUNK:  # sd left the draft's cache holding the prompt, read in chunks
+            assert pipe.draft.cache_tokens[:len(prompt)] == prompt
+
+
+def test_the_native_library_uses_the_same_chunk():
+    header = Path(__file__).resolve().parents[1] / "runtime" / "native" / "src" / "models.hpp"
+    found = re.search(r"constexpr int64_t kPrefillChunk = (\d+);", header.read_text())
+    assert found, "models.hpp no longer defines kPrefillChunk"
+    assert int(found.group(1)) == models.PREFILL_CHUNK
