@@ -127,20 +127,16 @@ def main(folder: str, gamma: int, tokens: int, per_category: int, dump: str | No
                 t, s, _ = replay(steps, threshold, cap, draft_s, verify_s)
                 cells.append(f"{t / (s / step):10.3f}")
             print(f"{cap:>3} {threshold:5.2f} " + " ".join(cells))
-    print("oracle stop (drafts exactly what the target accepts), by window cap")
-    for cap in range(1, gamma + 1):
-        cells = []
-        for steps in groups.values():
-            t, s = oracle(steps, cap, draft_s, verify_s)
-            cells.append(f"{t / (s / step):10.3f}")
-        print(f"{cap:>3} {'orcl':>5} " + " ".join(cells))
-    print("the same with a draft that costs nothing (what verification alone allows at this acceptance)")
-    for cap in range(1, gamma + 1):
-        cells = []
-        for steps in groups.values():
-            t, s = oracle(steps, cap, 0.0, verify_s)
-            cells.append(f"{t / (s / step):10.3f}")
-        print(f"{cap:>3} {'free':>5} " + " ".join(cells))
+    for label, title, cost in (("orcl", "oracle stop (drafts exactly what the target accepts), by window cap", draft_s),
+                               ("free", "the same with a draft that costs nothing (what verification alone allows at "
+                                        "this acceptance)", 0.0)):
+        print(title)
+        for cap in range(1, gamma + 1):
+            cells = []
+            for steps in groups.values():
+                t, s = oracle(steps, cap, cost, verify_s)
+                cells.append(f"{t / (s / step):10.3f}")
+            print(f"{cap:>3} {label:>5} " + " ".join(cells))
 
 
 if __name__ == "__main__":
