@@ -415,6 +415,40 @@ def test_leaving_a_draft_for_ngram_counts_only_the_recent_replay():
     assert from_sd._pending is not None and from_sd._pending.strategy.mode == "ngram"
 
 
+def test_a_replan_from_a_draft_counts_only_the_recent_replay():
+    """The running sd measured below its prediction and auto ranks again: as when it checks for lookup, the
+    answer's opening (the whole replay) does not take it to ngram; only a replay since the previous check that
+    still copies does. From ar the whole replay counts."""
+    from mirrorsd.runtime.planner.auto import AutoProposer
+    from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts
+    from mirrorsd.runtime.planner.lookup import LookupCounts
+
+    costs = SplitCosts(target_threads=2, draft_threads=2, verify_s=(0.010, 0.0105, 0.011, 0.0115, 0.012),
+                       exit_s=(0.0,) * 5, draft1_s=0.002, branch_fwd_s=0.0025, branch_batch=2)
+    copying = tuple(LookupCounts(1 + 4 * 20, (1, 0, 0, 0, 20)[:g + 1]) if g == 4 else LookupCounts(21, (21,) +
+                    (0,) * g) for g in range(1, 5))
+    fresh = tuple(LookupCounts(20, (20,) + (0,) * g) for g in range(1, 5))
+
+    def auto(alpha: float) -> AutoProposer:
+        proposer = AutoProposer(lambda s: None, costs, Acceptance(alpha, alpha, source="test"), context=10,
+                                new_tokens=400)
+        proposer.replay.all_counts = lambda: copying  # the whole text so far: an opening that copied its prompt
+        return proposer
+
+    for recent in ((), fresh):
+        from_sd = auto(0.9)
+        assert from_sd.strategy.mode in ("sd", "mirror")
+        from_sd._replan(1.0, 10 * from_sd.current.tokens_per_second, recent)
+        assert from_sd._pending is None or from_sd._pending.strategy.mode != "ngram", from_sd.switches
+    from_sd = auto(0.9)
+    from_sd._replan(1.0, 10 * from_sd.current.tokens_per_second, copying)
+    assert from_sd._pending is not None and from_sd._pending.strategy.mode == "ngram"
+    from_ar = auto(0.0)
+    assert from_ar.strategy.mode == "ar"
+    from_ar._replan(1.0, 10 * from_ar.current.tokens_per_second, ())
+    assert from_ar._pending is not None and from_ar._pending.strategy.mode == "ngram"
+
+
 def test_lookup_counts_since_an_earlier_count():
     from mirrorsd.runtime.planner.lookup import LookupCounts
 

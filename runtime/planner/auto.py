@@ -14,7 +14,8 @@
     re-plan   when the last RECHECK_STEPS steps ran more than SLACK below the prediction, rank again with the
               acceptance measured so far in this generation (e.g. acceptance collapsed: drop to ar) and the
               corrected step times. If the same strategy still wins, its corrected prediction is what it measured,
-              so it does not re-plan every 16 steps for nothing
+              so it does not re-plan every 16 steps for nothing. From sd or mirror, ngram is ranked on the lookup
+              replay since the previous check only, as below
     lookup    every step the committed text is replayed as mode ngram would have decoded it (planner/lookup.py);
               every RECHECK_STEPS steps, auto takes ngram when the latency model predicts it LOOKUP_MARGIN faster
               than the strategy running (code that repeats names, answers that quote their question); from ar,
@@ -291,7 +292,18 @@ class AutoProposer:
         if measured >= (1.0 - SLACK) * expected:
             self._take_lookup(measured, recent)
             return
-        table = self._plan(self.acceptance(), self.strategy)
+        self._replan(measured, expected, recent)
+
+    def _replan(self, measured: float, expected: float, recent: tuple[LookupCounts, ...] = ()) -> None:
+        """The running strategy measured ``measured`` tok/s, more than SLACK below the ``expected``: rank again with
+        what this generation measured. From a strategy that runs the draft, ngram is ranked on the replay since the
+        previous check only (none at the first check), as in _take_lookup: an answer's opening often restates its
+        prompt, and a re-plan that read it left an sd measured at 23.6 tok/s for an ngram predicted 1.6 % faster
+        that ran at 20.8 (a 2-core AVX2 EPYC; lab-notes/performance-log.md, 2026-12-07)."""
+        acceptance = self.acceptance()
+        if self.strategy.mode in DRAFTED:
+            acceptance = replace(acceptance, lookup=recent)
+        table = self._plan(acceptance, self.strategy)
         best = table.best
         if best.strategy == self.strategy:  # its corrected prediction is what it measured: the same choice
             self.scale = measured / max(best.tokens_per_second, 1e-9)
