@@ -2,13 +2,16 @@
 
     ids   [B, T]  prompts right-aligned, pad slots masked out (mask 0)
     pos   [B, T]  logical positions: cumsum(mask) - 1 (padding excluded)
-Each step feeds one token per row; rows that reached EOS keep stepping (their extra tokens are dropped).
+The prompts are read PREFILL_CHUNK columns at a time (runtime/models.py), as a single prompt is: a chunk's queries
+attend to the mask's columns up to its end. Each step then feeds one token per row; rows that reached EOS keep
+stepping (their extra tokens are dropped).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from mirrorsd.errors import GenerationInputError
+from mirrorsd.runtime import models
 from mirrorsd.runtime.models import TargetModel
 from mirrorsd.runtime.verify import greedy_tokens
 
@@ -37,13 +40,27 @@ def check_batch(prompts: list[list[int]], max_new_tokens: int, context_limit: in
                                    f"the exported graphs allow {context_limit} tokens", "shorten it")
 
 
+def prefill_batch(target: TargetModel, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
+                  chunk: int | None = None) -> np.ndarray:
+    """Feed the left-padded prompts ids [B, T] (mask [B, T], positions [B, T]) to the empty caches, ``chunk``
+    columns at a time (PREFILL_CHUNK); returns the last column's logits [B, vocab]."""
+    chunk = chunk or models.PREFILL_CHUNK
+    logits = None
+    for start in range(0, ids.shape[1], chunk):
+        end = min(start + chunk, ids.shape[1])
+        logits = target.forward(ids[:, start:end], mask[:, :end], positions[:, start:end])  # [B, end - start, vocab]
+    if logits is None:
+        raise ValueError("prefill_batch needs at least one column")
+    return logits[:, -1]
+
+
 def generate_batch(target: TargetModel, prompts: list[list[int]], max_new_tokens: int,
-                   eos_token_ids: tuple[int, ...], pad_id: int) -> list[list[int]]:
+                   eos_token_ids: tuple[int, ...], pad_id: int, chunk: int | None = None) -> list[list[int]]:
     ids, mask = left_pad(prompts, pad_id)
     batch = len(prompts)
     target.reset(batch, ids.shape[1] + max_new_tokens + 1)
     positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    logits = target.forward(ids, mask, positions)[:, -1]  # [B, vocab]
+    logits = prefill_batch(target, ids, mask, positions, chunk)  # [B, vocab]
     outputs: list[list[int]] = [[] for _ in range(batch)]
     finished = np.zeros(batch, bool)
     next_pos = positions[:, -1:] + 1  # [B, 1]

@@ -1,6 +1,7 @@
 """A prompt is read PREFILL_CHUNK tokens per forward (runtime/models.py): the target's and the draft's caches end
 holding the whole prompt, the first token is the one a single forward over the prompt picks, every mode still emits
-ar's tokens, and the C++ library reads a prompt in the same chunks as the Python runtime."""
+ar's tokens, a left-padded batch is read in chunks too, and the C++ library reads a prompt in the same chunks as the
+Python runtime."""
 from __future__ import annotations
 
 import re
@@ -71,6 +72,28 @@ def test_every_mode_equals_ar_with_chunked_prompts(draft, exported, pipelines, s
                 assert out.stats.acceptance_rate == 1.0  # the draft read the whole prompt
         if len(prompt) > CHUNK:  # sd left the draft's cache holding the prompt, read in chunks
             assert pipe.draft.cache_tokens[:len(prompt)] == prompt
+
+
+def test_a_left_padded_batch_reads_its_prompts_in_chunks(exported, pipelines, small_chunks):
+    """generate_batch reads its left-padded prompts CHUNK columns a forward (a chunk of the shorter row may be all
+    padding), and each row still decodes what ar decodes for it alone."""
+    from mirrorsd.runtime.batch import left_pad, prefill_batch
+
+    pipe = pipelines(exported("llama", draft_layers=2))
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[1]]  # 40, 8 and 36 tokens: the second row is padding for 4 chunks
+    ids, mask = left_pad(prompts, 0)
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    pipe.target.reset(len(prompts), 64)
+    whole = pipe.target.forward(ids, mask, positions)[:, -1]  # [B, vocab]: one forward over the batch
+    pipe.target.reset(len(prompts), 64)
+    pipe.target_timeline.clear()
+    chunked = prefill_batch(pipe.target, ids, mask, positions)
+    assert len(pipe.target_timeline.intervals) == 2 * 5  # 40 columns: prefix and suffix, once per chunk
+    assert pipe.target.length == ids.shape[1]
+    np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-4)
+    batch = pipe.generate_batch(prompts, NEW)
+    for prompt, tokens in zip(prompts, batch):
+        assert tokens == pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW)).tokens
 
 
 def test_the_native_library_uses_the_same_chunk():
