@@ -419,6 +419,32 @@ def test_sd_starts_from_a_draft_cache_that_holds_a_prefix_of_its_text(same_draft
 
 
 # ---- a profile that cannot be trusted ------------------------------------------------------------------------------
+@pytest.mark.parametrize("ar_ahead, switches", [(1.02, False), (1.10, True)])
+def test_a_replan_leaves_the_running_strategy_only_for_a_clear_gain(ar_ahead, switches):
+    """The running sd measured below its prediction; corrected by what it measured, ar is now predicted ``ar_ahead``
+    times as fast. Within REPLAN_MARGIN the model cannot tell them apart: auto keeps sd (its prediction now what it
+    measured); beyond it, auto switches to ar."""
+    from mirrorsd.runtime.planner.auto import REPLAN_MARGIN
+    from mirrorsd.runtime.planner.latency import Acceptance, SplitCosts
+
+    assert 1.02 < 1 + REPLAN_MARGIN < 1.10
+    costs = SplitCosts(target_threads=2, draft_threads=2, verify_s=(0.010, 0.0105, 0.011, 0.0115, 0.012),
+                       exit_s=(0.0,) * 5, draft1_s=0.002, branch_fwd_s=0.0025, branch_batch=2)
+    proposer = AutoProposer(lambda s: None, costs, Acceptance(0.9, 0.9, source="test"), context=10, new_tokens=400)
+    running = proposer.strategy
+    assert running.mode in ("sd", "mirror")
+    predicted, ar = proposer.current.tokens_per_second, proposer.table.best_of("ar").tokens_per_second
+    proposer.step_factor[running] = predicted * ar_ahead / ar  # what _correct sets from the measured steps
+    measured = ar / ar_ahead
+    proposer._replan(measured, predicted)
+    if switches:
+        assert proposer._pending is not None and proposer._pending.strategy.mode == "ar", proposer.switches
+    else:
+        assert proposer._pending is None and not proposer.switches
+        assert proposer.current.strategy == running
+        assert proposer.current.tokens_per_second * proposer.scale == pytest.approx(measured)
+
+
 def test_measured_step_times_correct_a_profile_wrong_for_speculation(random_draft):
     """A profile whose speculative costs are a hundredth of the real ones (taken while other jobs ran, the way a
     1-row verify measured dearer than a 2-row one): auto starts speculating, measures its steps, corrects the costs

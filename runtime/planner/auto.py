@@ -13,9 +13,12 @@
               measured (a machine faster than its profile all round must not make the running one look best)
     re-plan   when the last RECHECK_STEPS steps ran more than SLACK below the prediction, rank again with the
               acceptance measured so far in this generation (e.g. acceptance collapsed: drop to ar) and the
-              corrected step times. If the same strategy still wins, its corrected prediction is what it measured,
-              so it does not re-plan every 16 steps for nothing. From sd or mirror, ngram is ranked on the lookup
-              replay since the previous check only, as below
+              corrected step times. It switches only to a strategy predicted REPLAN_MARGIN faster than the running
+              one's corrected prediction (what it measured): closer than that the model cannot tell them apart
+              (its validation allows 15 %); two near-ties it took on a 2-core AVX2 EPYC (predicted 1.6 % and
+              2.2 % faster) ran 12 % and 3 % slower than the strategy they left. If the same strategy stays, so
+              does its corrected prediction, so it does not re-plan every 16 steps for nothing. From sd or mirror,
+              ngram is ranked on the lookup replay since the previous check only, as below
     lookup    every step the committed text is replayed as mode ngram would have decoded it (planner/lookup.py);
               every RECHECK_STEPS steps, auto takes ngram when the latency model predicts it LOOKUP_MARGIN faster
               than the strategy running (code that repeats names, answers that quote their question); from ar,
@@ -53,6 +56,7 @@ SLACK = 0.10  # re-plan when the measured speed is more than this fraction below
 MIN_ONLINE_STEPS = 8  # speculative steps before this generation's own acceptance replaces the prior
 LOOKUP_MARGIN = 0.10  # take ngram when predicted this much faster than the running strategy (its replay is young)
 LOOKUP_MARGIN_FROM_AR = 0.02  # ... from ar: no draft on either side, the switch costs nothing, so a small gain pays
+REPLAN_MARGIN = 0.05  # a re-plan leaves the running strategy only for one predicted this much faster than it
 
 
 @dataclass
@@ -305,10 +309,12 @@ class AutoProposer:
             acceptance = replace(acceptance, lookup=recent)
         table = self._plan(acceptance, self.strategy)
         best = table.best
-        if best.strategy == self.strategy:  # its corrected prediction is what it measured: the same choice
-            self.scale = measured / max(best.tokens_per_second, 1e-9)
+        running = next((r for r in table.rows if r.strategy == self.strategy), None)
+        if running is not None and best.tokens_per_second < (1 + REPLAN_MARGIN) * running.tokens_per_second:
+            # the same choice, or one the model cannot tell from it: its corrected prediction is what it measured
+            self.scale = measured / max(running.tokens_per_second, 1e-9)
             self.table = table
-            self.current = best
+            self.current = running
             return
         self.switches.append(Switch(self._step, self.strategy.name, best.strategy.name, round(measured, 2),
                                     round(expected, 2), f"measured {measured:.1f} tok/s < {1 - SLACK:.0%} of "
