@@ -17,6 +17,8 @@ from mirrorsd.runtime.state_cache import target_cache
 from mirrorsd.runtime.verify import candidate_logprobs, exit_candidates
 
 ExitCallback = Callable[[np.ndarray, np.ndarray], None]  # (topk_ids [S, k], topk_logprobs [S, k])
+# A prompt longer than one chunk reports after each chunk: (model "target" or "draft", tokens read, prompt tokens)
+PrefillCallback = Callable[[str, int, int], None]
 # Prompt tokens per forward when a prompt is read (prefill), in both models; the C++ library (runtime/native) uses the
 # same number. One forward over a whole long prompt asks for its attention scores [heads, S, S] and its logits
 # [S, vocab] at once: ~1.8 GB of logits and 0.4 GB of scores per layer at 3,000 tokens for the 1.5B Qwen target,
@@ -36,6 +38,12 @@ def single_row_inputs(tokens: np.ndarray, past: int) -> tuple[np.ndarray, np.nda
     return ids, mask, positions
 
 
+def report(callback: PrefillCallback | None, model: str, read: int, total: int, chunk: int) -> None:
+    """Tell ``callback`` how much of a prompt of more than one chunk ``model`` has read."""
+    if callback is not None and total > chunk:
+        callback(model, min(read, total), total)
+
+
 class TargetModel:
     """The split target: prefix graph, early-exit head, suffix graph, and the KV caches of both halves.
 
@@ -53,6 +61,7 @@ class TargetModel:
         self._hidden_name = prefix.output_names[0]
         self._logits_name = suffix.output_names[0]
         self._topk_ids, self._topk_logprobs = exit_head.output_names[:2]
+        self.on_prefill: PrefillCallback | None = None  # progress of a long prompt (mirrorsd generate's bar)
 
     @property
     def length(self) -> int:
@@ -120,6 +129,7 @@ class TargetModel:
         logits = None
         for start in range(0, len(tokens), chunk):
             logits = self.extend(tokens[start:start + chunk])  # [<= chunk, vocab]
+            report(self.on_prefill, "target", start + chunk, len(tokens), chunk)
         if logits is None:
             raise ValueError("prefill needs at least one token")
         return logits[-1:]
@@ -136,6 +146,7 @@ class DraftModel:
         self._logits_name = session.output_names[0]
         width = session.spec.outputs[0].shape[-1]  # the vocabulary, fixed in the manifest
         self._vocab = width if isinstance(width, int) else None
+        self.on_prefill: PrefillCallback | None = None  # progress of a long prompt (mirrorsd generate's bar)
 
     def reset(self, capacity: int = 64) -> None:
         self.cache = KVCache(self.session.spec.kv, 1, capacity)
@@ -176,6 +187,7 @@ class DraftModel:
         chunk = chunk or PREFILL_CHUNK
         for start in range(0, len(tokens), chunk):
             self.extend(tokens[start:start + chunk])
+            report(self.on_prefill, "draft", start + chunk, len(tokens), chunk)
 
     def keep_prefix(self, tokens: list[int]) -> int:
         """Start a new text: keep the main-cache slots whose tokens begin ``tokens`` (a shared system prompt, an

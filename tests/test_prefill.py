@@ -4,6 +4,7 @@ ar's tokens, a left-padded batch is read in chunks too, and the C++ library read
 Python runtime."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -94,6 +95,43 @@ def test_a_left_padded_batch_reads_its_prompts_in_chunks(exported, pipelines, sm
     batch = pipe.generate_batch(prompts, NEW)
     for prompt, tokens in zip(prompts, batch):
         assert tokens == pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW)).tokens
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
+def test_a_long_prompt_reports_its_progress_chunk_by_chunk(mode, exported, pipelines, small_chunks):
+    """Each model reports after every chunk of a prompt longer than one (what mirrorsd generate's bars show); a prompt
+    of one chunk reports nothing."""
+    pipe = pipelines(exported("llama", draft_layers=2))
+    calls = []
+    pipe.target.on_prefill = pipe.draft.on_prefill = lambda model, read, total: calls.append((model, read, total))
+    try:
+        pipe.generate(PROMPTS[0], GenerationConfig(mode=mode, max_new_tokens=4))  # 40 tokens: 5 chunks of 8
+        target = [c for c in calls if c[0] == "target"]
+        assert target == [("target", n, 40) for n in (8, 16, 24, 32, 40)]
+        draft = [c for c in calls if c[0] == "draft"]
+        if mode == "ar":
+            assert not draft
+        else:  # the draft reads the prompt too (sd: its first window; mirror: its worker), chunk by chunk, to the end
+            assert draft and [r for _, r, _ in draft] == sorted(r for _, r, _ in draft) and draft[-1][1] == draft[-1][2]
+        calls.clear()
+        pipe.generate(PROMPTS[2], GenerationConfig(mode=mode, max_new_tokens=4))  # 8 tokens: one chunk
+        assert not calls
+    finally:
+        pipe.target.on_prefill = pipe.draft.on_prefill = None
+
+
+def test_mirrorsd_generate_shows_a_bar_while_it_reads_a_long_prompt(exported, tmp_path, capsys, small_chunks):
+    from mirrorsd.apps.cli import main
+
+    folder = exported("llama", draft_layers=2)
+    path = tmp_path / "long.txt"
+    path.write_text("the sea and the sky and the sand " * 12, encoding="utf-8")
+    assert main(["generate", "--model", str(folder), "--prompt-file", str(path), "--raw", "--mode", "sd",
+                 "--max-new-tokens", "3", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "reading the prompt (target)" in captured.err
+    assert "reading the prompt" not in captured.out  # stdout holds the JSON alone
+    assert json.loads(captured.out)["tokens"]
 
 
 def test_the_native_library_uses_the_same_chunk():

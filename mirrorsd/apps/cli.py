@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import threading
 from pathlib import Path
 
 from mirrorsd.cli_exit import run_command, write_stdout
@@ -261,6 +262,42 @@ def read_prompt_file(path: Path) -> str:
     return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
+class PrefillBars:
+    """Progress bars on stderr while a model reads a prompt of more than one chunk (a 30,000-token prompt takes minutes
+    on a laptop CPU before the first token): one per model, gone when it has read the prompt. ``stop()`` when the
+    answer starts streaming to the same terminal (sd's draft reads the prompt after the first token): a bar redrawn
+    there would overwrite the text."""
+
+    def __init__(self) -> None:
+        self.bars: dict = {}
+        self.lock = threading.Lock()  # mode mirror's draft reads the prompt on its worker thread
+        self.stopped = False
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            for bar in self.bars.values():
+                bar.close()
+            self.bars.clear()
+
+    def __call__(self, model: str, read: int, total: int) -> None:
+        from tqdm import tqdm
+
+        with self.lock:
+            if self.stopped:
+                return
+            bar = self.bars.get(model)
+            if bar is None or bar.total != total or read <= bar.n:  # a new prompt
+                if bar is not None:
+                    bar.close()
+                bar = self.bars[model] = tqdm(total=total, desc=f"reading the prompt ({model})", unit="tok",
+                                              file=sys.stderr, leave=False)
+            bar.update(read - bar.n)
+            if read >= total:
+                bar.close()
+                del self.bars[model]
+
+
 def _generate(args) -> int:
     from mirrorsd.devices.placement import DeviceRequest
     from mirrorsd.runtime import Pipeline
@@ -273,7 +310,16 @@ def _generate(args) -> int:
                             kernels=args.kernels, plan_from_profile=config.mode == "auto",
                             shared_pool=args.shared_pool, spin_in_run=spins_in_run(config.mode))
     with Pipeline.load(args.model, devices) as pipe:
-        on_text = None if args.json else write_stdout
+        bars = PrefillBars()
+
+        def on_text(text: str) -> None:  # the answer streams to stdout: no bar on the terminal from here on
+            bars.stop()
+            write_stdout(text)
+
+        on_text = None if args.json else on_text
+        for model in (pipe.target, pipe.draft, pipe.streaming_draft):
+            if model is not None:
+                model.on_prefill = bars
         result = pipe.generate(prompt, config, on_text)
     if args.json:
         write_stdout(json.dumps({"tokens": result.tokens, "text": result.text,
