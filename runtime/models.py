@@ -17,7 +17,8 @@ from mirrorsd.runtime.state_cache import target_cache
 from mirrorsd.runtime.verify import candidate_logprobs, exit_candidates
 
 ExitCallback = Callable[[np.ndarray, np.ndarray], None]  # (topk_ids [S, k], topk_logprobs [S, k])
-# A prompt longer than one chunk reports after each chunk: (model "target" or "draft", tokens read, prompt tokens)
+# A prompt longer than one chunk reports before its first chunk and after each: (model "target" or "draft", tokens
+# read, prompt tokens)
 PrefillCallback = Callable[[str, int, int], None]
 # Prompt tokens per forward when a prompt is read (prefill), in both models; the C++ library (runtime/native) uses the
 # same number. One forward over a whole long prompt asks for its attention scores [heads, S, S] and its logits
@@ -127,6 +128,7 @@ class TargetModel:
         logits of the last one [1, vocab]."""
         chunk = chunk or PREFILL_CHUNK
         logits = None
+        report(self.on_prefill, "target", 0, len(tokens), chunk)  # a bar's clock starts with the first chunk
         for start in range(0, len(tokens), chunk):
             logits = self.extend(tokens[start:start + chunk])  # [<= chunk, vocab]
             report(self.on_prefill, "target", start + chunk, len(tokens), chunk)
@@ -185,6 +187,7 @@ class DraftModel:
     def prefill(self, tokens: list[int], chunk: int | None = None) -> None:
         """Feed ``tokens`` (a prompt) to the main cache, PREFILL_CHUNK at a time; their logits are not kept."""
         chunk = chunk or PREFILL_CHUNK
+        report(self.on_prefill, "draft", 0, len(tokens), chunk)
         for start in range(0, len(tokens), chunk):
             self.extend(tokens[start:start + chunk])
             report(self.on_prefill, "draft", start + chunk, len(tokens), chunk)

@@ -107,7 +107,7 @@ def test_a_long_prompt_reports_its_progress_chunk_by_chunk(mode, exported, pipel
     try:
         pipe.generate(PROMPTS[0], GenerationConfig(mode=mode, max_new_tokens=4))  # 40 tokens: 5 chunks of 8
         target = [c for c in calls if c[0] == "target"]
-        assert target == [("target", n, 40) for n in (8, 16, 24, 32, 40)]
+        assert target == [("target", n, 40) for n in (0, 8, 16, 24, 32, 40)]  # before the first chunk, after each
         draft = [c for c in calls if c[0] == "draft"]
         if mode == "ar":
             assert not draft
