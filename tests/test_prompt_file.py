@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,21 @@ def test_only_one_trailing_newline_is_dropped(tmp_path):
         path = tmp_path / "p.txt"
         path.write_bytes(written.encode("utf-8"))
         assert read_prompt_file(path) == read
+
+
+def test_an_endless_or_huge_prompt_file_is_refused_after_a_bounded_read(tmp_path, monkeypatch):
+    from mirrorsd.apps import cli
+    from mirrorsd.errors import GenerationInputError
+
+    monkeypatch.setattr(cli, "PROMPT_FILE_LIMIT", 1024)
+    with pytest.raises(GenerationInputError, match="more than"):
+        read_prompt_file(Path("/dev/zero"))  # never ends: read only to the bound
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"a" * 1025)
+    with pytest.raises(GenerationInputError, match="more than"):
+        read_prompt_file(big)
+    big.write_bytes(b"a" * 1024)
+    assert read_prompt_file(big) == "a" * 1024
 
 
 @pytest.mark.parametrize("case", ["missing", "folder", "latin-1"])

@@ -244,12 +244,23 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: COMMANDS[args.command](args))
 
 
+PROMPT_FILE_LIMIT = 16 << 20  # bytes read from --prompt-file at most
+
+
 def read_prompt_file(path: Path) -> str:
     """The text of ``--prompt-file`` (``-``: standard input), less one trailing newline (what an editor or ``echo``
     adds); read before any model is loaded, so a bad path fails at once."""
     where = "standard input" if str(path) == "-" else f"'{path}'"
     try:
-        data = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+        if str(path) == "-":
+            data = sys.stdin.buffer.read(PROMPT_FILE_LIMIT + 1)
+        else:
+            with path.open("rb") as source:  # read to a bound: /dev/zero or a huge file never ends or fits
+                data = source.read(PROMPT_FILE_LIMIT + 1)
+        if len(data) > PROMPT_FILE_LIMIT:
+            raise GenerationInputError(f"--prompt-file {where} holds more than {PROMPT_FILE_LIMIT >> 20} MiB",
+                                       "no export's context holds that much text (32,768 tokens are ~130 KB)",
+                                       "pass the part of the text the answer needs")
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise GenerationInputError(f"--prompt-file {where} is not UTF-8 text",
