@@ -55,12 +55,12 @@ def prefill_batch(target: TargetModel, ids: np.ndarray, mask: np.ndarray, positi
 
 
 def generate_batch(target: TargetModel, prompts: list[list[int]], max_new_tokens: int,
-                   eos_token_ids: tuple[int, ...], pad_id: int, chunk: int | None = None) -> list[list[int]]:
+                   eos_token_ids: tuple[int, ...], pad_id: int) -> list[list[int]]:
     ids, mask = left_pad(prompts, pad_id)
     batch = len(prompts)
     target.reset(batch, ids.shape[1] + max_new_tokens + 1)
     positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    logits = prefill_batch(target, ids, mask, positions, chunk)  # [B, vocab]
+    logits = prefill_batch(target, ids, mask, positions)  # [B, vocab]
     outputs: list[list[int]] = [[] for _ in range(batch)]
     finished = np.zeros(batch, bool)
     next_pos = positions[:, -1:] + 1  # [B, 1]
