@@ -105,6 +105,7 @@ class SessionSettings:
     shared_pool: bool = False  # ONNX Runtime: the process's one spinning pool (devices/thread_pool.py)
     spin_in_run: bool = False  # ONNX Runtime, a pool of its own: SPINNING_POOL, else SLEEPING_POOL (see above)
     fuse_attention: bool = False  # with mirrorsd's kernels: each layer's attention as one fused node, where it fits
+    kv_in_place: bool = False  # with mirrorsd's kernels: the KV cache written in place, not concatenated (kv_in_place.py)
 
 
 class BackendSession(Protocol):
@@ -179,6 +180,7 @@ class OrtSession:
         if provider == "DmlExecutionProvider":
             opts.enable_mem_pattern = False  # DirectML's documented requirement
         self.kernels, self.fused_attention = "ort", 0
+        self.kv_in_place: list = []  # the layers whose cache the host feeds as views (devices/kernels/kv_in_place.py)
         unpacked = unpacked_for_session(path, opts)
         model: str | bytes = str(path) if unpacked is None else unpacked
         if settings.kernels == "mirrorsd" and provider == "CPUExecutionProvider":
@@ -192,6 +194,8 @@ class OrtSession:
                 self.kernels = "mirrorsd"
                 if settings.fuse_attention:
                     model = self._fused(path, opts, unpacked)
+                elif settings.kv_in_place:
+                    model = self._in_place(path, opts, unpacked)
         self._open(lambda: ort.InferenceSession(model, opts, providers=providers), path)
 
     def _fused(self, path: Path, opts, unpacked: bytes | None = None) -> str | bytes:
@@ -210,6 +214,26 @@ class OrtSession:
         if not self.fused_attention:
             return unchanged
         if unpacked is None:  # (unpacked bytes had their external-data folder set already)
+            for key, value in external_data_config(path).items():
+                opts.add_session_config_entry(key, value)
+        return data
+
+    def _in_place(self, path: Path, opts, unpacked: bytes | None = None) -> str | bytes:
+        """The graph's bytes with each layer's KV cache written in place into views the host feeds
+        (devices/kernels/kv_in_place.py), or the graph unchanged when its layers do not have the shape the rewrite
+        knows (a graph without a KV cache, another exporter's)."""
+        from mirrorsd.devices.kernels import external_data_config
+        from mirrorsd.devices.kernels.kv_in_place import kv_in_place
+        from mirrorsd.onnx_wire import MalformedProtobuf
+
+        unchanged = str(path) if unpacked is None else unpacked
+        try:
+            data, self.kv_in_place = kv_in_place(path.read_bytes() if unpacked is None else unpacked)
+        except MalformedProtobuf:
+            return unchanged  # opening the file says what is wrong with it
+        if not self.kv_in_place:
+            return unchanged
+        if unpacked is None:
             for key, value in external_data_config(path).items():
                 opts.add_session_config_entry(key, value)
         return data

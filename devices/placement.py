@@ -45,6 +45,7 @@ FIXED_SHAPE_KINDS = ("NPU",)  # devices that compile static shapes only
 log = logging.getLogger("mirrorsd.devices")
 
 FUSED_ATTENTION_MARK = "[fused attention]"  # in describe(), so a profile measured without it is not reused
+KV_IN_PLACE_MARK = "[KV in place]"  # likewise
 KERNELS_MARK = "[mirrorsd kernels]"  # in describe(): the profile cache keys on it (runtime/planner/profile.py)
 SHARED_POOL_MARK = " [shared pool]"  # in describe(); the profile cache does not key on it (a split of its own)
 # in describe(): workers that spin (a pool of its own within a run, or the shared pool); the profile cache keys on it,
@@ -90,6 +91,12 @@ class DeviceRequest:
     # Where mirrorsd's kernels run the draft (ONNX Runtime CPU), each layer's attention runs as one fused node
     # (devices/kernels/attention_rewrite.py) instead of the graph's ~30 small ones; False keeps the graph's nodes
     fused_draft_attention: bool = True
+    # Where mirrorsd's kernels run the target (ONNX Runtime CPU), write its KV cache in place into buffers the runtime
+    # owns (devices/kernels/kv_in_place.py, runtime/view_cache.py) instead of the graph's Concat of the whole past into
+    # new outputs every step: 1.24-1.87x faster decoding at 8k-30k cached tokens, but not exact yet (ONNX Runtime
+    # blocks one head's long product differently with two threads than the graph's two-head product, and the split
+    # depends on the window's rows: devices/kernels/README.md). Off until that is fixed; lab scripts turn it on
+    target_kv_in_place: bool = False
     # Mode auto: take the placement (of the models left on auto) and the thread split (when no threads are given)
     # that the cached profiles predict fastest (runtime/planner/placement.py, runtime/planner/threads.py)
     plan_from_profile: bool = False
@@ -348,11 +355,13 @@ class Placement:
     shared_pool: bool = False  # an ONNX Runtime session on the process's shared thread pool
     spinning_pool: bool = False  # an ONNX Runtime CPU session whose workers spin (its own pool within a run, or shared)
     fused_attention: int = 0  # layers whose attention runs as mirrorsd's fused node (devices/kernels/attention_rewrite)
+    kv_in_place: int = 0  # layers whose KV cache is written in place (devices/kernels/kv_in_place.py)
 
     def describe(self) -> str:
         shapes = " [static shapes]" if self.static else ""
         kernels = f" {KERNELS_MARK}" if self.kernels == "mirrorsd" else ""
         kernels += f" {FUSED_ATTENTION_MARK}" if self.fused_attention else ""
+        kernels += f" {KV_IN_PLACE_MARK}" if self.kv_in_place else ""
         kernels += SHARED_POOL_MARK if self.shared_pool else ""
         kernels += SPINNING_POOL_MARK if self.spinning_pool else ""
         note = f" (fell back: {self.reason})" if self.fell_back else ""
@@ -385,7 +394,8 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
     settings = SessionSettings(choice.device, threads, "f32", fixed_shapes=decision.static and
                                choice.backend == "openvino", openvino=tuning, kv_pairs=kv_pairs(kv), kernels=kernels,
                                shared_pool=shared, spin_in_run=spinning and not shared,
-                               fuse_attention=model == "draft" and request.fused_draft_attention)
+                               fuse_attention=model == "draft" and request.fused_draft_attention,
+                               kv_in_place=model == "target" and request.target_kv_in_place)
     session = BACKENDS[choice.backend](path, settings)
     fell_back, reason = decision.fell_back, decision.reason
     lost = _lost_device(choice, session.effective)
@@ -397,7 +407,7 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
         warnings.warn(f"{model}: {lost}", DeviceFallbackWarning, stacklevel=2)
     return session, Placement(model, decision.requested, session.effective, choice.backend, fell_back, reason,
                               decision.static, getattr(session, "kernels", "ort"), choice.label, shared, spinning,
-                              getattr(session, "fused_attention", 0))
+                              getattr(session, "fused_attention", 0), len(getattr(session, "kv_in_place", [])))
 
 
 def spins(request: DeviceRequest, on_ort_cpu: bool, shared: bool) -> bool:

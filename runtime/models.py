@@ -45,6 +45,13 @@ def report(callback: PrefillCallback | None, model: str, read: int, total: int, 
         callback(model, min(read, total), total)
 
 
+def cache_feeds(cache, new: int) -> dict[str, np.ndarray]:
+    """What a target graph's cache feeds for a call adding ``new`` slots: a view cache's views span them
+    (runtime/view_cache.py), every other cache feeds its past."""
+    step_feeds = getattr(cache, "step_feeds", None)
+    return step_feeds(new) if step_feeds is not None else cache.past_feeds()
+
+
 class TargetModel:
     """The split target: prefix graph, early-exit head, suffix graph, and the KV caches of both halves.
 
@@ -95,14 +102,14 @@ class TargetModel:
     def _forward(self, ids, mask, positions, on_exit) -> tuple[np.ndarray, np.ndarray]:
         new = ids.shape[1]
         feeds = {self.prefix.first_input: ids, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
-        feeds.update(self.prefix_cache.past_feeds())
+        feeds.update(cache_feeds(self.prefix_cache, new))
         out = self.prefix.run(feeds)
         self.prefix_cache.append_presents(out, new)
         hidden = out[self._hidden_name]  # [B, S, H]
         if on_exit is not None:
             on_exit(*self._exit_message(hidden, getattr(on_exit, "draft_top", None)))
         feeds = {self.suffix.first_input: hidden, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
-        feeds.update(self.suffix_cache.past_feeds())
+        feeds.update(cache_feeds(self.suffix_cache, new))
         out = self.suffix.run(feeds)
         self.suffix_cache.append_presents(out, new)
         return hidden, check_finite(out[self._logits_name])

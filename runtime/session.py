@@ -29,7 +29,9 @@ class GraphSession:
         self.input_names = spec.input_names()
         self.output_names = spec.output_names()
         self.first_input = self.input_names[0]
-        missing = set(self.input_names) - set(backend_session.input_names())
+        in_place = {name for layer in getattr(backend_session, "kv_in_place", None) or ()
+                    for name in (layer.past_key, layer.past_value)}  # fed as views (devices/kernels/kv_in_place.py)
+        missing = set(self.input_names) - set(backend_session.input_names()) - in_place
         if missing:
             raise GraphFileError(f"Graph '{spec.file}' lacks inputs the manifest names: {sorted(missing)[:4]}",
                                  "the ONNX file and mirrorsd.json do not belong together", "re-export the folder")

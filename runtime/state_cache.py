@@ -36,11 +36,15 @@ class StateCache:
 
 
 def target_cache(session, batch: int = 1, capacity: int = 64, kind: str = "present"):
-    """The cache for one of the target's graphs: its backend's state when the session is stateful, else the graph's
-    presents (``kind`` "present", runtime/present_cache.py) or a preallocated buffer ("buffer", KVCache)."""
+    """The cache for one of the target's graphs: its backend's state when the session is stateful, buffers the
+    graph writes in place when its session was rewritten so (runtime/view_cache.py), else the graph's presents
+    (``kind`` "present", runtime/present_cache.py) or a preallocated buffer ("buffer", KVCache)."""
     from mirrorsd.runtime.kv_cache import KVCache
     from mirrorsd.runtime.present_cache import PresentCache
+    from mirrorsd.runtime.view_cache import ViewCache
 
     if getattr(session.backend, "stateful", False):
         return StateCache(session.backend, batch)
+    if getattr(session.backend, "kv_in_place", None):
+        return ViewCache(session.backend.kv_in_place, batch, capacity)
     return PresentCache(session.spec.kv, batch) if kind == "present" else KVCache(session.spec.kv, batch, capacity)

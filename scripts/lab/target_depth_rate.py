@@ -6,6 +6,8 @@ pp256 (one 256-token chunk after DEPTH cached tokens) and tg32 (32 one-token ste
                                                                      devices/kernels) put into the target's graphs too
     TARGET_DEVICE=openvino:CPU python scripts/lab/target_depth_rate.py ...   the target on OpenVINO's CPU plugin (its
                                                                      default tuning: stateful, fused attention, f16 KV)
+    KV_IN_PLACE=0 python scripts/lab/target_depth_rate.py ...      the target's graphs as exported (Concat of the past
+                                                                     into new presents each step), not the in-place KV
 """
 import os, sys, time
 if os.environ.get("FUSE_TARGET") == "1":  # lab: the draft's fused attention on the target's graphs too
@@ -19,7 +21,8 @@ from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import Pipeline
 from mirrorsd.runtime.verify import greedy_tokens
 depths = [int(d) for d in sys.argv[2].split(",")]
-with Pipeline.load(sys.argv[1], DeviceRequest(target=os.environ.get("TARGET_DEVICE", "auto"), spin_in_run=True)) as pipe:
+with Pipeline.load(sys.argv[1], DeviceRequest(target=os.environ.get("TARGET_DEVICE", "auto"), spin_in_run=True,
+                                                 target_kv_in_place=os.environ.get("KV_IN_PLACE", "1") == "1")) as pipe:
     print(pipe.placement if hasattr(pipe, "placement") else "", flush=True)
     text = [1000 + (i * 7919) % 50000 for i in range(max(depths) + 300)]
     for depth in depths:

@@ -1,0 +1,77 @@
+"""The target's KV cache when its graphs write it in place (devices/kernels/kv_in_place.py): buffers the runtime owns.
+
+    buffers    one per layer, kind (key / value) and KV head: [B, capacity, D]; slots [0, length) are filled
+    step       feed each buffer's slots [0, length + S) as the view [B, 1, length + S, D]; the graph's KVWrite
+               nodes fill slots [length, length + S) in place, and the attention reads the view
+    rollback   a length change (the slots after it are overwritten by the next step)
+    growth     a step that needs more than the capacity moves the buffers into ones twice as large (rare: decoders
+               reserve prompt + answer at reset)
+
+With one row (every decoder but generate_batch) ``buffer[:, :T]`` is contiguous, so a step moves no KV at all: the
+only copies are the new slots' own. With several rows the slots of one head are ``capacity`` apart, so each step
+copies them into a compact view and the new slots back (the cost PresentCache pays anyway).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+MIN_CAPACITY = 64
+
+
+class ViewCache:
+    def __init__(self, layers, batch: int = 1, capacity: int = MIN_CAPACITY) -> None:
+        self.layers = list(layers)  # InPlaceLayer per rewritten layer (its view input names)
+        self._names = [name for layer in self.layers for kind in ("key", "value") for name in layer.views(kind)]
+        dims = {name: layer.head_dim for layer in self.layers for kind in ("key", "value") for name in layer.views(kind)}
+        capacity = max(capacity, MIN_CAPACITY)
+        self._buffers = {name: np.zeros((batch, capacity, dims[name]), np.float32) for name in self._names}
+        self._staged: dict[str, np.ndarray] = {}  # the compact views of a step with several rows
+        self.length = 0
+        self._batch = batch
+
+    @property
+    def batch(self) -> int:
+        return self._batch
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self._buffers.values())).shape[1] if self._buffers else 1 << 30
+
+    def step_feeds(self, new: int) -> dict[str, np.ndarray]:
+        """The views for a call that adds ``new`` slots: [B, 1, length + new, D] per buffer."""
+        total = self.length + new
+        self._reserve(total)
+        if self._batch == 1:
+            return {name: buf[:, :total][:, None] for name, buf in self._buffers.items()}  # no copy
+        self._staged = {name: np.ascontiguousarray(buf[:, :total])[:, None] for name, buf in self._buffers.items()}
+        return dict(self._staged)
+
+    def past_feeds(self) -> dict[str, np.ndarray]:
+        raise TypeError("a view cache is fed with step_feeds(new): its views span the call's new slots")
+
+    def append_presents(self, outputs: dict, new: int) -> None:
+        """Count the ``new`` slots the graph wrote (with several rows, copy them back from the compact views)."""
+        start, end = self.length, self.length + new
+        for name, view in self._staged.items():
+            self._buffers[name][:, start:end] = view[:, 0, start:end]
+        self._staged = {}
+        self.length = end
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} slots to {length}")
+        self.length = length
+
+    def nbytes(self) -> int:
+        return sum(buf.nbytes for buf in self._buffers.values())
+
+    def _reserve(self, slots: int) -> None:
+        if slots <= self.capacity:
+            return
+        capacity = self.capacity
+        while capacity < slots:
+            capacity *= 2
+        for name, buf in self._buffers.items():
+            grown = np.zeros((buf.shape[0], capacity, buf.shape[2]), np.float32)
+            grown[:, : self.length] = buf[:, : self.length]
+            self._buffers[name] = grown
