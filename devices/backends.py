@@ -105,7 +105,7 @@ class SessionSettings:
     shared_pool: bool = False  # ONNX Runtime: the process's one spinning pool (devices/thread_pool.py)
     spin_in_run: bool = False  # ONNX Runtime, a pool of its own: SPINNING_POOL, else SLEEPING_POOL (see above)
     fuse_attention: bool = False  # with mirrorsd's kernels: each layer's attention as one fused node, where it fits
-    kv_in_place: bool = False  # with mirrorsd's kernels: the KV cache written in place, not concatenated (kv_in_place.py)
+    kv_in_place: bool = False  # with mirrorsd's kernels: the KV cache written in place (devices/kernels/kv_in_place.py)
 
 
 class BackendSession(Protocol):
@@ -199,44 +199,42 @@ class OrtSession:
         self._open(lambda: ort.InferenceSession(model, opts, providers=providers), path)
 
     def _fused(self, path: Path, opts, unpacked: bytes | None = None) -> str | bytes:
-        """The graph's bytes (``unpacked``, or the file's) with each layer's attention one
-        mirrorsd.kern::GroupedAttention node, or the graph unchanged when its attention does not have the shape the
-        rewrite knows (devices/kernels/attention_rewrite.py)."""
-        from mirrorsd.devices.kernels import external_data_config
+        """The graph with each layer's attention one mirrorsd.kern::GroupedAttention node
+        (devices/kernels/attention_rewrite.py), or unchanged when its attention does not have the shape the rewrite
+        knows."""
         from mirrorsd.devices.kernels.attention_rewrite import fuse_attention
+
+        model, self.fused_attention = self._rewritten(path, opts, unpacked, fuse_attention, 0)
+        return model
+
+    def _in_place(self, path: Path, opts, unpacked: bytes | None = None) -> str | bytes:
+        """The graph with each layer's KV cache written in place into views the host feeds
+        (devices/kernels/kv_in_place.py), or unchanged when its layers do not have the shape the rewrite knows (a
+        graph without a KV cache, another exporter's)."""
+        from mirrorsd.devices.kernels.kv_in_place import kv_in_place
+
+        model, self.kv_in_place = self._rewritten(path, opts, unpacked, kv_in_place, [])
+        return model
+
+    @staticmethod
+    def _rewritten(path: Path, opts, unpacked: bytes | None, rewrite, nothing):
+        """(the graph's bytes — ``unpacked``, or the file's — through ``rewrite``, what it changed), or (the graph
+        as it was, ``nothing``) when the rewrite changed nothing or the bytes are malformed (opening the file then
+        says what is wrong with it)."""
+        from mirrorsd.devices.kernels import external_data_config
         from mirrorsd.onnx_wire import MalformedProtobuf
 
         unchanged = str(path) if unpacked is None else unpacked
         try:
-            data, self.fused_attention = fuse_attention(path.read_bytes() if unpacked is None else unpacked)
+            data, changed = rewrite(path.read_bytes() if unpacked is None else unpacked)
         except MalformedProtobuf:
-            return unchanged  # opening the file says what is wrong with it
-        if not self.fused_attention:
-            return unchanged
+            return unchanged, nothing
+        if not changed:
+            return unchanged, nothing
         if unpacked is None:  # (unpacked bytes had their external-data folder set already)
             for key, value in external_data_config(path).items():
                 opts.add_session_config_entry(key, value)
-        return data
-
-    def _in_place(self, path: Path, opts, unpacked: bytes | None = None) -> str | bytes:
-        """The graph's bytes with each layer's KV cache written in place into views the host feeds
-        (devices/kernels/kv_in_place.py), or the graph unchanged when its layers do not have the shape the rewrite
-        knows (a graph without a KV cache, another exporter's)."""
-        from mirrorsd.devices.kernels import external_data_config
-        from mirrorsd.devices.kernels.kv_in_place import kv_in_place
-        from mirrorsd.onnx_wire import MalformedProtobuf
-
-        unchanged = str(path) if unpacked is None else unpacked
-        try:
-            data, self.kv_in_place = kv_in_place(path.read_bytes() if unpacked is None else unpacked)
-        except MalformedProtobuf:
-            return unchanged  # opening the file says what is wrong with it
-        if not self.kv_in_place:
-            return unchanged
-        if unpacked is None:
-            for key, value in external_data_config(path).items():
-                opts.add_session_config_entry(key, value)
-        return data
+        return data, changed
 
     @staticmethod
     def _options(settings: SessionSettings):

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "attention.hpp"
+#include "kernel.hpp"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -67,11 +68,6 @@ OrtStatus* float_tensor(const OrtApi* api, const OrtValue* value, Tensor& out) {
   return nullptr;
 }
 
-std::string dims_text(const std::vector<int64_t>& dims) {
-  std::string text = "[";
-  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
-  return text + "]";
-}
 
 bool has_dims(const Tensor& t, std::initializer_list<int64_t> want) {
   if (t.dims.size() != want.size()) return false;
@@ -269,16 +265,7 @@ OrtStatus* Attention::error(OrtErrorCode code, const std::string& what, const st
 }
 
 OrtStatus* Attention::create(const OrtApi* api, const OrtKernelInfo* info, Attention** out) {
-  size_t size = 0;
-  std::string name;
-  if (OrtStatus* s = api->KernelInfo_GetNodeName(info, nullptr, &size)) {
-    api->ReleaseStatus(s);
-  } else {
-    name.assign(size, '\0');
-    if (OrtStatus* s = api->KernelInfo_GetNodeName(info, name.data(), &size)) api->ReleaseStatus(s);
-    name = name.c_str();
-  }
-  std::unique_ptr<Attention> kernel(new Attention(api, name));
+  std::unique_ptr<Attention> kernel(new Attention(api, node_name(api, info)));
   int64_t heads = 0, kv_heads = 0;
   float scale = 0.0f;
   OrtStatus* s = api->KernelInfoGetAttribute_int64(info, "num_heads", &heads);
@@ -309,7 +296,7 @@ OrtStatus* Attention::compute(OrtKernelContext* context) const {
   }
   const Tensor& q = in[kQ];
   if (q.dims.size() != 3 || q.dims[2] % heads_ != 0)
-    return error(ORT_INVALID_ARGUMENT, "q has shape " + dims_text(q.dims), "feed q as [B, S, num_heads * D]");
+    return error(ORT_INVALID_ARGUMENT, "q has shape " + shape_text(q.dims), "feed q as [B, S, num_heads * D]");
   Job j{};
   j.B = q.dims[0];
   j.S = q.dims[1];
@@ -327,9 +314,9 @@ OrtStatus* Attention::compute(OrtKernelContext* context) const {
                          has_dims(in[kMask], {j.B, 1, j.S, j.T}) && has_dims(past, {j.B, j.KVH, j.P, j.D}) &&
                          has_dims(in[kPastV], {j.B, j.KVH, j.P, j.D});
   if (j.P < 0 || !shapes_ok)
-    return error(ORT_INVALID_ARGUMENT, "inputs of shapes q " + dims_text(q.dims) + ", k " + dims_text(in[kK].dims) +
-                 ", v " + dims_text(in[kV].dims) + ", cos " + dims_text(in[kCos].dims) + ", mask " +
-                 dims_text(in[kMask].dims) + ", past_k " + dims_text(past.dims) + " do not fit together",
+    return error(ORT_INVALID_ARGUMENT, "inputs of shapes q " + shape_text(q.dims) + ", k " + shape_text(in[kK].dims) +
+                 ", v " + shape_text(in[kV].dims) + ", cos " + shape_text(in[kCos].dims) + ", mask " +
+                 shape_text(in[kMask].dims) + ", past_k " + shape_text(past.dims) + " do not fit together",
                  "feed the shapes the op's comment lists");
   j.q = q.data;
   j.k = in[kK].data;

@@ -42,20 +42,6 @@ OrtStatus* view(const OrtApi* api, const OrtValue* value, TensorView& out) {
   return api->GetTensorMutableData(const_cast<OrtValue*>(value), &out.data);
 }
 
-std::string shape_text(const std::vector<int64_t>& dims) {
-  std::string text = "[";
-  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
-  return text + "]";
-}
-
-std::string node_name(const OrtApi* api, const OrtKernelInfo* info) {
-  size_t size = 0;
-  if (OrtStatus* s = api->KernelInfo_GetNodeName(info, nullptr, &size)) return api->ReleaseStatus(s), "";
-  std::string name(size, '\0');
-  if (OrtStatus* s = api->KernelInfo_GetNodeName(info, name.data(), &size)) return api->ReleaseStatus(s), "";
-  return name.c_str();  // drops the terminating zero
-}
-
 bool input_present(const OrtApi* api, const OrtKernelInfo* info, size_t index) {
   size_t count = 0, size = 0;
   if (OrtStatus* s = api->KernelInfo_GetInputCount(info, &count)) return api->ReleaseStatus(s), false;
@@ -100,6 +86,20 @@ void run_task(void* data, size_t task) {
 }
 
 }  // namespace
+
+std::string shape_text(const std::vector<int64_t>& dims) {
+  std::string text = "[";
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+  return text + "]";
+}
+
+std::string node_name(const OrtApi* api, const OrtKernelInfo* info) {
+  size_t size = 0;
+  if (OrtStatus* s = api->KernelInfo_GetNodeName(info, nullptr, &size)) return api->ReleaseStatus(s), "";
+  std::string name(size, '\0');
+  if (OrtStatus* s = api->KernelInfo_GetNodeName(info, name.data(), &size)) return api->ReleaseStatus(s), "";
+  return name.c_str();  // drops the terminating zero
+}
 
 bool prefetch_wanted(const Path& path) {
   const char* value = std::getenv("MIRRORSD_KERNELS_PREFETCH");

@@ -71,4 +71,9 @@ class Kernel {
   int64_t groups_per_task_ = 1;  // the unit of ParallelFor
 };
 
+// Shared by the library's kernels (kernel.cpp): a node's name for error messages ("" if ONNX Runtime gives none), and
+// a shape as "[a, b, c]".
+std::string node_name(const OrtApi* api, const OrtKernelInfo* info);
+std::string shape_text(const std::vector<int64_t>& dims);
+
 }  // namespace mirrorsd_kern

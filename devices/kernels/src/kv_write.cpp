@@ -17,6 +17,8 @@
 // as the host fed it (the host keeps the buffer alive for the call; runtime/view_cache.py).
 #include "kv_write.hpp"
 
+#include "kernel.hpp"
+
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -52,11 +54,6 @@ OrtStatus* shaped(const OrtApi* api, const OrtValue* value, Shaped& out) {
   return api->GetTensorMutableData(const_cast<OrtValue*>(value), &out.data);
 }
 
-std::string dims_text(const std::vector<int64_t>& dims) {
-  std::string text = "[";
-  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
-  return text + "]";
-}
 
 }  // namespace
 
@@ -66,16 +63,7 @@ OrtStatus* KVWrite::error(OrtErrorCode code, const std::string& what, const std:
 }
 
 OrtStatus* KVWrite::create(const OrtApi* api, const OrtKernelInfo* info, KVWrite** out) {
-  size_t size = 0;
-  std::string name;
-  if (OrtStatus* s = api->KernelInfo_GetNodeName(info, nullptr, &size)) {
-    api->ReleaseStatus(s);
-  } else {
-    name.assign(size, '\0');
-    if (OrtStatus* s = api->KernelInfo_GetNodeName(info, name.data(), &size)) api->ReleaseStatus(s);
-    name = name.c_str();
-  }
-  std::unique_ptr<KVWrite> kernel(new KVWrite(api, name));
+  std::unique_ptr<KVWrite> kernel(new KVWrite(api, node_name(api, info)));
   int64_t head = -1;
   if (OrtStatus* s = api->KernelInfoGetAttribute_int64(info, "head", &head)) {
     api->ReleaseStatus(s);
@@ -100,7 +88,7 @@ OrtStatus* KVWrite::compute(OrtKernelContext* context) const {
   const bool ranks = fresh.dims.size() == 4 && view.dims.size() == 4;
   if (!ranks || view.dims[0] != fresh.dims[0] || view.dims[1] != 1 || view.dims[3] != fresh.dims[3] ||
       head_ >= fresh.dims[1] || view.dims[2] < fresh.dims[2])
-    return error(ORT_INVALID_ARGUMENT, "new " + dims_text(fresh.dims) + " and view " + dims_text(view.dims) +
+    return error(ORT_INVALID_ARGUMENT, "new " + shape_text(fresh.dims) + " and view " + shape_text(view.dims) +
                  " do not fit head " + std::to_string(head_),
                  "feed the view as [B, 1, past + new slots, D] (runtime/view_cache.py)");
   OrtValue* output = nullptr;

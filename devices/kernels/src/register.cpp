@@ -1,7 +1,8 @@
 // The library's entry points: RegisterCustomOps (what SessionOptions.register_custom_ops_library calls) adds the
 // domain "mirrorsd.kern" with three ops: MatMulNBits, a drop-in for com.microsoft::MatMulNBits (same inputs,
 // outputs and attributes), and GroupedAttention (attention.cpp) and KVWrite (kv_write.cpp), which only graphs
-// rewritten for them name (devices/kernels/attention_rewrite.py, kv_in_place.py). Two ways to route a graph's MatMulNBits nodes to the first:
+// rewritten for them name (devices/kernels/attention_rewrite.py, kv_in_place.py). Two ways to route a graph's
+// MatMulNBits nodes to the first:
 //   - rewrite the nodes' domain: "mirrorsd.kern" has the length of "com.microsoft", so the bytes change in place;
 //   - set the session config entry "mirrorsd_kern.replace_com_microsoft" = "1" before registering: the op is then
 //     also registered as com.microsoft::MatMulNBits, and ONNX Runtime, which looks in custom-op registries before
@@ -104,29 +105,21 @@ const OrtCustomOp* matmul_nbits_op() {
   return &op;
 }
 
-OrtStatus* create_attention(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
-  Attention* made = nullptr;
-  OrtStatus* status = Attention::create(api, info, &made);
-  *kernel = made;
-  return status;
-}
-
-OrtStatus* compute_attention(void* kernel, OrtKernelContext* context) {
-  return static_cast<const Attention*>(kernel)->compute(context);
-}
-
-const OrtCustomOp* grouped_attention_op() {
+// A custom op whose inputs and outputs are all required float tensors, run by kernel class K (K::create and
+// K::compute): GroupedAttention and KVWrite.
+template <class K, const char* Name, size_t Inputs, size_t Outputs>
+const OrtCustomOp* float_op() {
   static OrtCustomOp op = [] {
     OrtCustomOp o;
     std::memset(&o, 0, sizeof(o));
     o.version = kOrtApiVersion;
-    o.GetName = [](const OrtCustomOp*) { return "GroupedAttention"; };
+    o.GetName = [](const OrtCustomOp*) { return Name; };
     o.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
     o.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-    o.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 8; };
+    o.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return Inputs; };
     o.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-    o.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
-    o.KernelDestroy = [](void* kernel) { delete static_cast<Attention*>(kernel); };
+    o.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return Outputs; };
+    o.KernelDestroy = [](void* kernel) { delete static_cast<K*>(kernel); };
     o.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     o.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     o.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
@@ -134,8 +127,15 @@ const OrtCustomOp* grouped_attention_op() {
     o.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
     o.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
     o.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
-    o.CreateKernelV2 = create_attention;
-    o.KernelComputeV2 = compute_attention;
+    o.CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
+      K* made = nullptr;
+      OrtStatus* status = K::create(api, info, &made);
+      *kernel = made;
+      return status;
+    };
+    o.KernelComputeV2 = [](void* kernel, OrtKernelContext* context) {
+      return static_cast<const K*>(kernel)->compute(context);
+    };
     o.GetStartVersion = [](const OrtCustomOp*) { return 1; };
     o.GetEndVersion = [](const OrtCustomOp*) { return 1 << 30; };
     return o;
@@ -143,44 +143,8 @@ const OrtCustomOp* grouped_attention_op() {
   return &op;
 }
 
-OrtStatus* create_kv_write(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
-  KVWrite* made = nullptr;
-  OrtStatus* status = KVWrite::create(api, info, &made);
-  *kernel = made;
-  return status;
-}
-
-OrtStatus* compute_kv_write(void* kernel, OrtKernelContext* context) {
-  return static_cast<const KVWrite*>(kernel)->compute(context);
-}
-
-const OrtCustomOp* kv_write_op() {
-  static OrtCustomOp op = [] {
-    OrtCustomOp o;
-    std::memset(&o, 0, sizeof(o));
-    o.version = kOrtApiVersion;
-    o.GetName = [](const OrtCustomOp*) { return "KVWrite"; };
-    o.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
-    o.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-    o.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
-    o.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-    o.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-    o.KernelDestroy = [](void* kernel) { delete static_cast<KVWrite*>(kernel); };
-    o.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-    o.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-    o.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-    o.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-    o.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-    o.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-    o.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
-    o.CreateKernelV2 = create_kv_write;
-    o.KernelComputeV2 = compute_kv_write;
-    o.GetStartVersion = [](const OrtCustomOp*) { return 1; };
-    o.GetEndVersion = [](const OrtCustomOp*) { return 1 << 30; };
-    return o;
-  }();
-  return &op;
-}
+constexpr char kGroupedAttention[] = "GroupedAttention";
+constexpr char kKVWrite[] = "KVWrite";
 
 OrtStatus* wants_replace(const OrtApi* api, const OrtSessionOptions* options, bool& replace) {
   int has = 0;
@@ -283,8 +247,9 @@ ORT_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
       if (OrtStatus* s = api->CreateCustomOpDomain(names[i], &domains[i])) return s;
       if (OrtStatus* s = api->CustomOpDomain_Add(domains[i], matmul_nbits_op())) return s;
       if (i == 0) {  // mirrorsd's own op, under its own domain only
-        if (OrtStatus* s = api->CustomOpDomain_Add(domains[i], grouped_attention_op())) return s;
-        if (OrtStatus* s = api->CustomOpDomain_Add(domains[i], kv_write_op())) return s;
+        const OrtCustomOp* attention = float_op<Attention, kGroupedAttention, 8, 3>();
+        if (OrtStatus* s = api->CustomOpDomain_Add(domains[i], attention)) return s;
+        if (OrtStatus* s = api->CustomOpDomain_Add(domains[i], float_op<KVWrite, kKVWrite, 3, 1>())) return s;
       }
     }
     if (OrtStatus* s = api->AddCustomOpDomain(options, domains[i])) return s;
