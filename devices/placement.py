@@ -92,11 +92,11 @@ class DeviceRequest:
     # (devices/kernels/attention_rewrite.py) instead of the graph's ~30 small ones; False keeps the graph's nodes
     fused_draft_attention: bool = True
     # Where mirrorsd's kernels run the target (ONNX Runtime CPU), write its KV cache in place into buffers the runtime
-    # owns (devices/kernels/kv_in_place.py, runtime/view_cache.py) instead of the graph's Concat of the whole past into
-    # new outputs every step: 1.24-1.87x faster decoding at 8k-30k cached tokens, but not exact yet (ONNX Runtime
-    # blocks one head's long product differently with two threads than the graph's two-head product, and the split
-    # depends on the window's rows: devices/kernels/README.md). Off until that is fixed; lab scripts turn it on
-    target_kv_in_place: bool = False
+    # owns and run each layer's attention as one InPlaceAttention node (devices/kernels/kv_in_place.py,
+    # runtime/view_cache.py) instead of the graph's Concat of the whole past into new outputs every step: much faster
+    # decoding at long contexts, and each row's bits independent of its window (every mode still equals ar). False
+    # runs the graphs' own nodes, as the C/C++ host does (the two then give the same tokens)
+    target_kv_in_place: bool = True
     # Mode auto: take the placement (of the models left on auto) and the thread split (when no threads are given)
     # that the cached profiles predict fastest (runtime/planner/placement.py, runtime/planner/threads.py)
     plan_from_profile: bool = False

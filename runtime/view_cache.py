@@ -1,8 +1,8 @@
 """The target's KV cache when its graphs write it in place (devices/kernels/kv_in_place.py): buffers the runtime owns.
 
     buffers    one per layer, kind (key / value) and KV head: [B, capacity, D]; slots [0, length) are filled
-    step       feed each buffer's slots [0, length + S) as the view [B, 1, length + S, D]; the graph's KVWrite
-               nodes fill slots [length, length + S) in place, and the attention reads the view
+    step       feed each buffer's slots [0, length + S) as the view [B, 1, length + S, D]; the graph's
+               InPlaceAttention nodes fill slots [length, length + S) in place, and attend over the view
     rollback   a length change (the slots after it are overwritten by the next step)
     growth     a step that needs more than the capacity moves the buffers into ones twice as large (rare: decoders
                reserve prompt + answer at reset)

@@ -1,13 +1,13 @@
-"""The target's KV cache written in place (devices/kernels/kv_in_place.py, src/kv_write.cpp, runtime/view_cache.py):
-the rewrite on a real int4 export, the rewritten graphs' numbers against the exported graphs' bit for bit (prefill,
-one-row steps, windows, a rollback), the pipeline (every mode, sampling and batches the same tokens as with the
-exported graphs), the cache's growth, and a view that does not fit refused with a clear error.
+"""The target's KV cache written in place (devices/kernels/kv_in_place.py, InPlaceAttention in src/attention.cpp,
+runtime/view_cache.py): the rewrite on a real int4 export, the rewritten graphs' numbers against the exported graphs'
+(within float rounding: the fused node rounds its own way), each row's bits independent of the window it is in and
+of the thread count at contexts past ONNX Runtime's reduction blocks (what keeps every decoder equal to one-row
+decoding), the pipeline (every mode the same tokens as ar with it on), the cache's growth, and a view that does not
+fit refused with a clear error.
 
-What runs here: ONNX Runtime's CPU provider with mirrorsd's kernels library. The rewrite applies nowhere else (CUDA,
-DirectML, OpenVINO keep the exported graphs), so nothing else is exercised. The contexts here stay short (under 128
-cached tokens, one block of ONNX Runtime's reduction): beyond that, with two threads, one head's probabilities x
-values product is blocked differently from the exported graph's two-head product, so the feature is off by default
-(devices/kernels/README.md says what was measured)."""
+What runs here: ONNX Runtime's CPU provider with mirrorsd's kernels library, on this CPU's attention path (AVX2 where
+the CPU has it; the plain C++ path is checked by tests/test_fused_attention.py's odd head size). The rewrite applies
+nowhere else (CUDA, DirectML, OpenVINO keep the exported graphs), so nothing else is exercised."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,6 +20,7 @@ from mirrorsd.devices.placement import KV_IN_PLACE_MARK, DeviceRequest
 from mirrorsd.export.pipeline import ExportOptions, export
 from mirrorsd.runtime import GenerationConfig, Pipeline
 from mirrorsd.runtime.view_cache import ViewCache
+
 
 from tiny_models import build_model
 
@@ -36,20 +37,32 @@ def lib():
     return library
 
 
-@pytest.fixture(scope="module")
-def int4_export(tmp_path_factory):
-    source = build_model(tmp_path_factory.mktemp("inplace-src"), "qwen2", layers=LAYERS, hidden=256, heads=8,
-                         kv_heads=KV_HEADS)
-    out = tmp_path_factory.mktemp("inplace") / "q"
-    export(ExportOptions(model=source, output=out, draft_layers=2, target_precision="int4", draft_precision="int4"))
+def tiny_export(tmp_path_factory, precision: str):
+    source = build_model(tmp_path_factory.mktemp(f"inplace-{precision}-src"), "qwen2", layers=LAYERS, hidden=256,
+                         heads=8, kv_heads=KV_HEADS)
+    out = tmp_path_factory.mktemp(f"inplace-{precision}") / "q"
+    export(ExportOptions(model=source, output=out, draft_layers=2, target_precision=precision,
+                         draft_precision=precision))
     return out
 
 
-def session(model: bytes):
+@pytest.fixture(scope="module")
+def int4_export(tmp_path_factory):
+    return tiny_export(tmp_path_factory, "int4")
+
+
+@pytest.fixture(scope="module")
+def f32_export(tmp_path_factory):
+    """The same model with float weights: no activation quantization that a rounding difference could flip."""
+    return tiny_export(tmp_path_factory, "fp32")
+
+
+def session(model: bytes, threads: int = 2, replace: bool = True):
+    """replace: mirrorsd's kernels run the int4 graphs' MatMulNBits (as the pipeline does); float graphs have none."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    opts.intra_op_num_threads = 2
-    kernels.register(opts, replace=True, allow_slow=True)
+    opts.intra_op_num_threads = threads
+    kernels.register(opts, replace=replace, allow_slow=True)
     return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
 
 
@@ -71,7 +84,8 @@ def test_the_rewrite_replaces_every_layers_concat_and_leaves_other_graphs_alone(
         for layer in layers:
             assert (layer.kv_heads, layer.head_dim) == (KV_HEADS, HEAD_DIM)
             assert {view_name(layer.layer, kind, h) for kind in ("key", "value") for h in range(KV_HEADS)} <= inputs
-        assert sum(n.op_type == OP_TYPE for n in model.graph.node) == 2 * KV_HEADS * len(layers)
+        assert sum(n.op_type == OP_TYPE for n in model.graph.node) == len(layers)
+        assert not any(n.op_type == "Softmax" for n in model.graph.node)  # the eager attention's nodes are gone
         concats_of_past = [n for n in onnx.load_from_string(original).graph.node
                            if n.op_type == "Concat" and n.input[0].startswith("past_key_values")]
         assert len(concats_of_past) == 2 * len(layers)
@@ -84,14 +98,36 @@ def test_the_rewrite_replaces_every_layers_concat_and_leaves_other_graphs_alone(
     assert len(kv_in_place(draft)[1]) == 2
 
 
-def test_the_rewritten_graphs_give_the_exported_graphs_numbers_bit_for_bit(lib, int4_export):
-    """Prefix then suffix, as the target runs them: a 9-token prompt, one-row steps, a 4-row window, a rollback of 3
-    slots, and more steps. Every output equal bit for bit, and the host's buffers hold exactly the presents."""
+def target_graphs(folder, threads: int = 2, replace: bool = True):
     graphs = {}
     for graph in ("prefix", "suffix"):
-        original = (int4_export / f"{graph}.onnx").read_bytes()
+        original = (folder / f"{graph}.onnx").read_bytes()
         rewritten, layers = kv_in_place(original)
-        graphs[graph] = (session(original), session(rewritten), layers)
+        graphs[graph] = (session(original, threads, replace), session(rewritten, threads, replace), layers)
+    return graphs
+
+
+def call(graphs, caches, ids, length):
+    """Prefix then suffix through the rewritten graphs on the views: the suffix's first output (the logits)."""
+    new = ids.shape[1]
+    common = {"attention_mask": np.ones((1, length + new), np.int64),
+              "position_ids": np.arange(length, length + new, dtype=np.int64)[None]}
+    feeds = {"input_ids": ids}
+    for graph in ("prefix", "suffix"):
+        _, rewritten, _ = graphs[graph]
+        got = run(rewritten, {**common, **feeds, **caches[graph].step_feeds(new)})
+        caches[graph].append_presents(got, new)
+        first = rewritten.get_outputs()[0].name
+        feeds = {graphs["suffix"][1].get_inputs()[0].name: got[first]}
+    return got[first]
+
+
+def test_the_rewritten_graphs_give_the_exported_graphs_numbers(lib, f32_export):
+    """Prefix then suffix, as the target runs them: a 9-token prompt, one-row steps, a 4-row window, a rollback of 3
+    slots, and more steps. Every output within float rounding of the exported graph's, and the host's buffers hold
+    the presents (the first layer's keys and values bit for bit: the same rotary, copied). Float weights: with int4
+    weights the kernels quantize activations to 8 bits, where a rounding difference can move a value one step."""
+    graphs = target_graphs(f32_export, replace=False)
     rng = np.random.default_rng(7)
     caches = {graph: ViewCache(layers, 1, 8) for graph, (_, _, layers) in graphs.items()}  # grows past 64 slots
     past: dict[str, np.ndarray] = {}
@@ -116,24 +152,53 @@ def test_the_rewritten_graphs_give_the_exported_graphs_numbers_bit_for_bit(lib, 
             got = run(rewritten, {**common, **hidden, **caches[graph].step_feeds(new)})
             caches[graph].append_presents(got, new)
             first = exported.get_outputs()[0].name
-            np.testing.assert_array_equal(got[first], want[first], err_msg=f"{graph}, step {step}")
+            scale = float(np.abs(want[first]).max())
+            np.testing.assert_allclose(got[first], want[first], rtol=0, atol=1e-4 * scale, err_msg=f"{graph} {step}")
             for layer in layers:
                 for kind, past_name, present in (("key", layer.past_key, layer.present_key),
                                                  ("value", layer.past_value, layer.present_value)):
                     past[past_name] = want[present]
                     views = caches[graph].step_feeds(0)  # [1, 1, length + new, D] each: what is cached now
                     for h, name in enumerate(layer.views(kind)):
-                        np.testing.assert_array_equal(views[name][:, 0], want[present][:, h])
+                        if graph == "prefix" and layer.layer == 0 and step == 0:
+                            np.testing.assert_array_equal(views[name][:, 0], want[present][:, h])
+                        np.testing.assert_allclose(views[name][:, 0], want[present][:, h], rtol=0,
+                                                   atol=1e-4 * float(np.abs(want[present]).max()))
             hidden = {graphs["suffix"][0].get_inputs()[0].name: want[first]}  # the prefix's hidden state
         length += new
     assert caches["prefix"].capacity >= length > 64
+
+
+def test_a_rows_bits_do_not_depend_on_its_window_or_the_threads(lib, int4_export):
+    """After 300 cached tokens (past ONNX Runtime's 128-slot reduction blocks), 40 tokens decoded one row at a time
+    and as one 40-row window (4 x 40 = 160 query rows per KV head, more than the head size: where ONNX Runtime's
+    MatMul splits rows instead of columns), on 2 threads and on 1: the logits bit for bit."""
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, 200, (1, 300)).astype(np.int64)
+    tail = rng.integers(0, 200, (1, 40)).astype(np.int64)
+    results = {}
+    for threads in (2, 1):
+        graphs = target_graphs(int4_export, threads)
+        for how in ("rows", "window"):
+            caches = {graph: ViewCache(layers, 1, 64) for graph, (_, _, layers) in graphs.items()}
+            call(graphs, caches, prompt[:, :256], 0)  # the prompt in two chunks
+            call(graphs, caches, prompt[:, 256:], 256)
+            if how == "window":
+                results[threads, how] = call(graphs, caches, tail, 300)
+            else:
+                results[threads, how] = np.concatenate([call(graphs, caches, tail[:, i:i + 1], 300 + i)
+                                                        for i in range(40)], axis=1)
+    want = results[1, "rows"]
+    assert want.shape[1] == 40
+    for key, got in results.items():
+        np.testing.assert_array_equal(got, want, err_msg=str(key))
 
 
 def prompts():
     return [[1, 17, 42, 99, 7, 3, 3], [5, 6, 7, 5, 6, 7, 5, 6], list(range(2, 40, 3))]
 
 
-def test_the_pipeline_writes_the_target_cache_in_place_and_every_mode_gives_the_same_tokens(lib, int4_export):
+def test_the_pipeline_writes_the_target_cache_in_place_and_every_mode_gives_ars_tokens(lib, int4_export):
     runs = {}
     for in_place in (True, False):
         with Pipeline.load(int4_export, DeviceRequest(kernels="mirrorsd", target_kv_in_place=in_place)) as pipe:
@@ -142,19 +207,18 @@ def test_the_pipeline_writes_the_target_cache_in_place_and_every_mode_gives_the_
             assert pipe.placements["exit_head"].kv_in_place == 0 and pipe.placements["draft"].kv_in_place == 0
             assert (KV_IN_PLACE_MARK in pipe.placements["prefix"].describe()) == in_place
             assert isinstance(pipe.target.prefix_cache, ViewCache) == in_place
+            if not in_place:
+                continue
             for i, prompt in enumerate(prompts()):
                 for mode in ("ar", "sd", "mirror", "ngram"):
-                    runs[in_place, i, mode] = pipe.generate(prompt, GenerationConfig(mode=mode, max_new_tokens=24)).tokens
+                    runs[i, mode] = pipe.generate(prompt, GenerationConfig(mode=mode, max_new_tokens=24)).tokens
                 sampled = GenerationConfig(mode="sd", max_new_tokens=16, do_sample=True, temperature=0.9, seed=i)
-                runs[in_place, i, "sampled"] = pipe.generate(prompt, sampled).tokens
-            runs[in_place, "batch"] = pipe.generate_batch(prompts(), max_new_tokens=12)
+                assert pipe.generate(prompt, sampled).tokens == pipe.generate(prompt, sampled).tokens
+            batch = pipe.generate_batch(prompts(), max_new_tokens=12)
     for i in range(len(prompts())):
-        ar = runs[False, i, "ar"]
-        for mode in ("ar", "sd", "mirror", "ngram"):
-            assert runs[True, i, mode] == ar, (i, mode)
-        assert runs[True, i, "sampled"] == runs[False, i, "sampled"]
-    assert runs[True, "batch"] == runs[False, "batch"]
-    assert [row[:12] for row in runs[True, "batch"]] == [runs[False, i, "ar"][:12] for i in range(len(prompts()))]
+        for mode in ("sd", "mirror", "ngram"):
+            assert runs[i, mode] == runs[i, "ar"], (i, mode)
+    assert [row[:12] for row in batch] == [runs[i, "ar"][:12] for i in range(len(prompts()))]
 
 
 def test_a_view_that_does_not_fit_is_refused_with_the_node_and_the_fix(lib, int4_export):
@@ -166,5 +230,5 @@ def test_a_view_that_does_not_fit_is_refused_with_the_node_and_the_fix(lib, int4
         for kind in ("key", "value"):
             for name in layer.views(kind):
                 feeds[name] = np.zeros((1, 1, 1, HEAD_DIM), np.float32)  # one slot where the call adds two
-    with pytest.raises(Exception, match=r"KVWrite node .*do not fit.*Fix: feed the view"):
+    with pytest.raises(Exception, match=r"InPlaceAttention node .*do not fit.*Fix: feed each view"):
         run(sess, feeds)

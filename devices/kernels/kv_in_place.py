@@ -9,42 +9,34 @@ on a 2-core AMD EPYC; docs/bench/zen3-2026-12-07/long-context.md has the rest).
 
     past_k, past_v inputs          -> one view input per KV head and kind: ``kv_view.L.key.H``, [B, 1, P + S, D],
                                       the host's buffer for that head, spanning the past and this call's new slots
-    Concat(past, new) -> present   -> KVWrite(x, new, view; head=H) (src/kv_write.cpp) fills the new slots in place
-    softmax(q @ present_k^T * scale + mask) @ present_v
-                                   -> the same nodes per KV head (a Split of q along the head axis, the scale, mask,
-                                      softmax and casts copied per head, a Concat of the heads' results), reading
-                                      the views: nothing of the size of the scores is split or joined
+    rotary, Concat(past, new), softmax(q @ present_k^T * scale + mask) @ present_v, the head reshapes
+                                   -> one InPlaceAttention node (src/attention.cpp): it writes the new keys (rotated)
+                                      and values into the views and computes each query row alone, in a fixed order
     present outputs                -> gone (the host's buffers are the cache: runtime/view_cache.py)
 
-The KVWrite chain passes the queries through, so each head's MatMul runs after every view holds its new slots. The
-rows are copies and the scores the same bits, but ONNX Runtime blocks one head's probabilities x values product
-differently from the graph's two-head product once the context passes 128 slots with two threads, and differently
-again for windows with more query rows than the head has columns: not exact yet, so the runtime leaves it off
-(devices/kernels/README.md; tests/test_kv_in_place.py checks the logits bit for bit on short contexts). A graph whose
-attention does not have this shape is left as it is (0 layers). The session must register mirrorsd's library.
+The node computes what the exported nodes compute, rounded its own way (its own exp, its own summation order), and
+each row's bits do not depend on the window it is in or on the thread count: one-row decoding and a verification
+window agree bit for bit at any context, which ONNX Runtime's MatMul does not promise for these products (it blocks
+their reduction by its thread split and row count). A graph whose attention does not have this shape is left as it
+is (0 layers). The session must register mirrorsd's library.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from mirrorsd.devices.kernels.attention_rewrite import (_GRAPH_INITIALIZER, _GRAPH_NODE, _GRAPH_OUTPUT, _MODEL_GRAPH,
-                                                        _NODE_ATTRIBUTE, _TENSOR_NAME, _VALUE_INFO_NAME,
-                                                        NotThisShape, _Graph, _is_present_key,
-                                                        _live_in_order, _Node, _node_bytes, _read_node,
-                                                        _string_field)
+                                                        _TENSOR_NAME, _VALUE_INFO_NAME, Layer, NotThisShape, _Graph,
+                                                        _is_present_key, _live_in_order, _Node, _node_bytes,
+                                                        _read_node, _string_field)
 from mirrorsd.devices.kernels.rewrite import DOMAIN, _opset_domains, _opset_import
 from mirrorsd.onnx_wire import (LENGTH_DELIMITED, MalformedProtobuf, encode_varint, fields, message_field,
                                 varint_field)
 
-OP_TYPE = "KVWrite"
+OP_TYPE = "InPlaceAttention"
 _GRAPH_INPUT = 11
-_ATTRIBUTE_NAME, _ATTRIBUTE_INTS, _ATTRIBUTE_TYPE, _INTS_ATTRIBUTE = 1, 8, 20, 7
-_INT_ATTRIBUTE, _ATTRIBUTE_INT = 2, 3
 _VALUE_INFO_TYPE, _TYPE_TENSOR, _TENSOR_ELEM_TYPE, _TENSOR_SHAPE, _SHAPE_DIM = 2, 1, 1, 2, 1
 _DIM_VALUE, _DIM_PARAM = 1, 2
 _FLOAT = 1
-_NODE_INPUT, _NODE_OUTPUT, _NODE_NAME = 1, 2, 3
-_CHAIN_OPS = ("Identity", "Mul", "Add", "Softmax", "Cast")  # between the two attention MatMuls, as traced
 
 
 def view_name(layer: int, kind: str, head: int) -> str:
@@ -100,13 +92,11 @@ def kv_in_place(model: bytes) -> tuple[bytes, list[InPlaceLayer]]:
         return model, []
     if not found:
         return model, []
-    removed, new_nodes = set(), []
-    for layer, parts in found:
-        removed.update(id(n) for n in parts["drop"])
-        new_nodes += _layer_nodes(layer, parts)
+    new_nodes = [_attention_node(layer, shape) for layer, shape in found]
+    replaced = {name for _, x in found for name in (x.y, x.present_k, x.present_v)}
     dropped_io = {n for layer, _ in found for n in (layer.past_key, layer.past_value, layer.present_key,
                                                     layer.present_value)}
-    kept = [n for n in nodes if id(n) not in removed]
+    kept = [n for n in nodes if not any(o in replaced for o in n.output)]
     ordered = _live_in_order(kept + new_nodes, set(outputs) - dropped_io)
     pieces = [message_field(_GRAPH_NODE, n.raw) for n in ordered]
     pieces += [bytes(piece) for f, name, piece in rest if not (f in (_GRAPH_INPUT, _GRAPH_OUTPUT) and name in dropped_io)]
@@ -121,98 +111,22 @@ def kv_in_place(model: bytes) -> tuple[bytes, list[InPlaceLayer]]:
     return out, [layer for layer, _ in found]
 
 
-def _find(graph: _Graph, present_k: str, graph_inputs: set[str]) -> tuple[InPlaceLayer, dict]:
-    """The nodes of one layer's cache and attention products, checked to be read by nothing else."""
+def _find(graph: _Graph, present_k: str, graph_inputs: set[str]) -> tuple[InPlaceLayer, Layer]:
+    """One layer's attention (the tensors the fused node reads and writes), its cache fed from graph inputs."""
     shape = graph.layer(present_k)  # the traced eager attention, or NotThisShape
-    present_v = shape.present_v
-    concat_k, concat_v = graph._node(present_k, "Concat"), graph._node(present_v, "Concat")
-    if concat_k.input[0] not in graph_inputs or concat_v.input[0] not in graph_inputs:
+    if shape.past_k not in graph_inputs or shape.past_v not in graph_inputs:
         raise NotThisShape(present_k)
-    transpose = graph._only(present_k, "Transpose")
-    scores = graph._only(transpose.output[0], "MatMul")
-    weighted = graph._only(present_v, "MatMul")
-    if (len(graph.consumers[present_k]) != 1 or len(graph.consumers[present_v]) != 1
-            or len(graph.consumers[transpose.output[0]]) != 1 or weighted.input[1] != present_v
-            or scores.input[1] != transpose.output[0]):
-        raise NotThisShape(present_k)
-    chain, name = [], scores.output[0]  # scores -> (Identity) Mul Add Softmax (Cast) -> probabilities
-    while name != weighted.input[0]:
-        after = graph.consumers[name]
-        if len(after) != 1 or after[0].op_type not in _CHAIN_OPS or len(after[0].output) != 1:
-            raise NotThisShape(present_k)
-        if after[0].op_type == "Add":  # the mask must broadcast over the KV heads: [B, 1, G * S, T]
-            mask = next(i for i in after[0].input if i != name)
-            tile = graph._node(mask, "Tile")
-            if graph._constant(tile.input[1]).reshape(-1)[1] != 1:
-                raise NotThisShape(present_k)
-        chain.append(after[0])
-        name = after[0].output[0]
-    head_dim = _layer_head_dim(graph, shape)
+    _, _, head_dim = graph._heads(graph._node(shape.present_v, "Concat").input[1])  # v4 = Transpose(Reshape(v))
     layer = InPlaceLayer(int(present_k.split(".")[1]), shape.kv_heads, head_dim, shape.past_k, shape.past_v,
-                         present_k, present_v)
-    return layer, {"drop": [concat_k, concat_v, transpose, scores, weighted, *chain], "chain": chain,
-                   "scores": scores.output[0], "k_new": concat_k.input[1], "v_new": concat_v.input[1],
-                   "queries": scores.input[0], "context": weighted.output[0]}
+                         present_k, shape.present_v)
+    return layer, shape
 
 
-def _layer_head_dim(graph: _Graph, shape) -> int:
-    _, _, dim = graph._heads(graph._node(shape.present_v, "Concat").input[1])  # v4 = Transpose(Reshape(v))
-    return dim
-
-
-def _layer_nodes(layer: InPlaceLayer, parts: dict) -> list[_Node]:
-    prefix = f"{layer.present_key}/in_place"
-    made: list[_Node] = []
-
-    def add(op_type, inputs, outputs, domain="", ints=None, lists=None):
-        raw = _node_bytes(op_type, inputs, outputs, f"{prefix}/{op_type}_{len(made)}", domain, ints or {}, {})
-        for key, values in (lists or {}).items():
-            raw += message_field(_NODE_ATTRIBUTE, message_field(_ATTRIBUTE_NAME, key.encode()) + b"".join(
-                varint_field(_ATTRIBUTE_INTS, v) for v in values) + varint_field(_ATTRIBUTE_TYPE, _INTS_ATTRIBUTE))
-        made.append(_Node(raw, op_type, domain, list(inputs), list(outputs)))
-
-    x = parts["queries"]  # [B, KVH, G * S, D]
-    for kind, new in (("key", parts["k_new"]), ("value", parts["v_new"])):
-        for h, name in enumerate(layer.views(kind)):
-            written = f"{prefix}/written_{kind}{h}"
-            add(OP_TYPE, [x, new, name], [written], DOMAIN, ints={"head": h})
-            x = written
-    heads = range(layer.kv_heads)
-    queries = [f"{prefix}/q{h}" for h in heads]  # [B, 1, G * S, D]
-    add("Split", [x], queries, ints={"axis": 1})
-    contexts = []
-    for h, (key, value) in enumerate(zip(layer.views("key"), layer.views("value"))):
-        keys_t = f"{prefix}/keys_t{h}"  # [B, 1, D, T]
-        add("Transpose", [key], [keys_t], lists={"perm": [0, 1, 3, 2]})
-        name = f"{prefix}/scores{h}"  # [B, 1, G * S, T]
-        add("MatMul", [queries[h], keys_t], [name])
-        previous = parts["scores"]
-        for i, node in enumerate(parts["chain"]):  # scale, mask, softmax, casts: this head's rows only
-            inputs = [name if x == previous else x for x in node.input]  # the mask [B, 1, G * S, T] broadcasts
-            previous, name = node.output[0], f"{prefix}/head{h}_{i}_{node.op_type}"
-            made.append(_Node(_renamed(node.raw, inputs, [name], f"{prefix}/{name}"), node.op_type, node.domain,
-                              inputs, [name]))
-        contexts.append(f"{prefix}/context{h}")  # [B, 1, G * S, D]
-        add("MatMul", [name, value], [contexts[-1]])
-    add("Concat", contexts, [parts["context"]], ints={"axis": 1})
-    return made
-
-
-def _renamed(raw: bytes, inputs: list[str], outputs: list[str], name: str) -> bytes:
-    """A NodeProto's bytes with new inputs, outputs and name; its op type, domain and attributes as they were."""
-    kept = b"".join(bytes(raw[start:hi]) for f, start, hi in _field_spans(raw)
-                    if f not in (_NODE_INPUT, _NODE_OUTPUT, _NODE_NAME))
-    return (b"".join(message_field(_NODE_INPUT, i.encode()) for i in inputs)
-            + b"".join(message_field(_NODE_OUTPUT, o.encode()) for o in outputs)
-            + message_field(_NODE_NAME, name.encode()) + kept)
-
-
-def _field_spans(raw: bytes):
-    """(field number, start of its tag, end of its payload) of each top-level field of a message."""
-    start = 0
-    for f, _, _, hi in fields(raw, 0, len(raw)):
-        yield f, start, hi
-        start = hi
+def _attention_node(layer: InPlaceLayer, x: Layer) -> _Node:
+    inputs = [x.q, x.k, x.v, x.cos, x.sin, x.mask, *layer.views("key"), *layer.views("value")]
+    raw = _node_bytes(OP_TYPE, inputs, [x.y], f"{x.present_k}/in_place_attention", DOMAIN,
+                      {"num_heads": x.heads, "kv_num_heads": x.kv_heads}, {"scale": x.scale})
+    return _Node(raw, OP_TYPE, DOMAIN, inputs, [x.y])
 
 
 def _view_info(name: str, head_dim: int) -> bytes:

@@ -1,5 +1,6 @@
 """The target alone with its KV cache written in place (devices/kernels/kv_in_place.py) against the exported graphs'
-Concat, in one process, alternated: tg (one-row greedy steps) and pp (one chunk) at each depth, ROUNDS rounds.
+Concat, in one process, alternated: tg (one-row greedy steps), pp (one chunk) and vf5 (5-row windows, what sd's
+verification feeds, each rolled back) at each depth, ROUNDS rounds.
 
     python scripts/lab/kv_in_place_ab.py EXPORT DEPTHS [ROUNDS]        e.g. exports/qwen-int4 0,2048 3
 """
@@ -30,7 +31,12 @@ for depth in depths:
                 out.append(tok)
             tg = 32 / (time.perf_counter() - s)
             target.truncate(depth)
-            print(f"depth {depth} round {r} {name:9s} pp256 {pp:6.2f} tok/s  tg32 {tg:6.2f} tok/s  tokens {hash(tuple(out)) & 0xffff:04x}",
-                  flush=True)
+            s = time.perf_counter()
+            for i in range(8):
+                target.extend(text[depth + i:depth + i + 5])
+                target.truncate(depth)
+            vf = (time.perf_counter() - s) / 8 * 1e3
+            print(f"depth {depth} round {r} {name:9s} pp256 {pp:6.2f} tok/s  tg32 {tg:6.2f} tok/s  vf5 {vf:7.1f} ms  "
+                  f"tokens {hash(tuple(out)) & 0xffff:04x}", flush=True)
 for pipe in pipes.values():
     pipe.close()

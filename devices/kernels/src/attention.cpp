@@ -1,18 +1,27 @@
-// mirrorsd.kern::GroupedAttention: one decoder layer's attention for decoding, in one node. It replaces the ~30
-// small nodes an exported graph spends on it (rotary embedding of q and k, the KV-cache concatenation, the grouped
-// scores, mask, softmax and weighted sum, the head reshapes), whose per-node cost dominated a small draft's
-// forward once its weights streamed near the bandwidth (devices/kernels/attention_rewrite.py puts it in a graph).
+// mirrorsd.kern::GroupedAttention and InPlaceAttention: one decoder layer's attention in one node. GroupedAttention
+// replaces the ~30 small nodes an exported graph spends on it (rotary embedding of q and k, the KV-cache
+// concatenation, the grouped scores, mask, softmax and weighted sum, the head reshapes), whose per-node cost dominated
+// a small draft's forward (devices/kernels/attention_rewrite.py puts it in the draft's graph). InPlaceAttention is
+// the same computation on a cache the host keeps: it writes this call's keys and values into the host's buffers
+// instead of copying the whole past into new presents every call (devices/kernels/kv_in_place.py puts it in the
+// target's graphs; runtime/view_cache.py owns the buffers).
 //
 //   inputs   q [B, S, H*D]  k, v [B, S, KVH*D]   (projections, bias added, before rotary)
 //            cos, sin [B, S, D]                   (the graph's rotary tables: the half-width angles repeated twice)
 //            mask [B, 1, S, T]                    additive (0 or a large negative), T = P + S
-//            past_k, past_v [B, KVH, P, D]
-//   outputs  y [B, S, H*D]   present_k, present_v [B, KVH, T, D]
+//     GroupedAttention:  past_k, past_v [B, KVH, P, D]
+//     InPlaceAttention:  KVH key views, then KVH value views, each [B, 1, T, D]: slots [0, P) hold the past, and
+//                        slots [P, T) receive this call's rows here (ONNX Runtime hands a CPU input's memory to the
+//                        kernel as the host fed it; the host keeps the buffer alive for the call)
+//   outputs  y [B, S, H*D]   (GroupedAttention also: present_k, present_v [B, KVH, T, D])
 //   attributes num_heads (H), kv_num_heads (KVH), scale
 //
 // Query head h reads KV head h / (H / KVH), as transformers' repeat_kv. Rotary is transformers' rotate_half form:
-// x * cos + rotate_half(x) * sin. Each query row is computed alone, in one fixed order, whatever S, T or the
-// thread count: its result does not depend on the rows around it.
+// x * cos + rotate_half(x) * sin. Each query row is computed alone, in one fixed order, whatever S, T, the rows
+// around it or the thread count: a row of a verification window is the bits of the same row decoded alone, which is
+// what keeps every decoder equal to one-row decoding (ONNX Runtime's MatMul blocks its reduction by its thread split
+// and row count, so a graph's attention products do not have that property).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -35,6 +44,8 @@ enum AttentionInput : size_t { kQ, kK, kV, kCos, kSin, kMask, kPastK, kPastV, kA
 constexpr size_t kAttentionOutputs = 3;
 constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kInlineWork = 64 * 1024;  // multiply-adds below which the calling thread does it all
+constexpr int64_t kRowsPerTask = 24;      // query rows of one KV head per task (a decoding step's are one task)
+constexpr int64_t kSlotBlock = 32;        // slots whose keys (then values) every row of a task reads from L1
 
 #define ATTENTION_RETURN_IF(expr) \
   do {                            \
@@ -88,18 +99,22 @@ void rotate(const float* x, const float* cos, const float* sin, int64_t dim, flo
 struct Job {
   int64_t B, S, H, KVH, D, P, T;
   float scale;
-  const float *q, *k, *v, *cos, *sin, *mask, *past_k, *past_v;
-  float *y, *present_k, *present_v;
+  const float *q, *k, *v, *cos, *sin, *mask, *past_k, *past_v;  // past_k, past_v: null when the cache is in place
+  float* y;
+  // where batch row b's KV head h keeps its T slots x D: keys[h] + b * kv_stride (the presents, or the host's views)
+  std::vector<float*> keys, values;
+  int64_t kv_stride;
+  int64_t row_blocks;  // tasks per (b, KV head): its G * S query rows in blocks of kRowsPerTask
 };
 
-// Task (b, kvh): the past copied into the present, then the new rows (k rotated).
+// Task (b, kvh): the past copied into the present (when there is one), then the new rows (k rotated).
 void append_task(void* data, size_t task) {
   const Job& j = *static_cast<const Job*>(data);
   const int64_t b = static_cast<int64_t>(task) / j.KVH, kvh = static_cast<int64_t>(task) % j.KVH;
   const size_t past_floats = static_cast<size_t>(j.P * j.D);
-  float* pk = j.present_k + (b * j.KVH + kvh) * j.T * j.D;
-  float* pv = j.present_v + (b * j.KVH + kvh) * j.T * j.D;
-  if (past_floats) {
+  float* pk = j.keys[kvh] + b * j.kv_stride;
+  float* pv = j.values[kvh] + b * j.kv_stride;
+  if (past_floats && j.past_k) {
     std::memcpy(pk, j.past_k + (b * j.KVH + kvh) * past_floats, past_floats * sizeof(float));
     std::memcpy(pv, j.past_v + (b * j.KVH + kvh) * past_floats, past_floats * sizeof(float));
   }
@@ -122,6 +137,17 @@ float dot(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
+
+// The query rows of one task: rows r of KV head kvh are (g, s) = (r / S, r % S), query head kvh * G + g.
+struct Rows {
+  int64_t count = 0;
+  std::vector<float> queries;  // [count, D], rotated
+  std::vector<float> weights;  // [count, padded T]: scores, then exp(score - max)
+  std::vector<float> sums;     // [count, D]: the weighted sums of values
+  std::vector<const float*> masks;
+  std::vector<float*> outs;
+  std::vector<float> totals;
+};
 
 #ifdef MIRRORSD_ATTENTION_AVX2
 // exp(x) for x <= 0 (softmax arguments), 8 at a time: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6
@@ -152,120 +178,189 @@ __attribute__((target("avx2,fma"))) float sum_avx2(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-__attribute__((target("avx2,fma"))) inline __m256 dot8(const float* a, const float* b, int64_t dim) {
-  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-  for (int64_t d = 8; d < dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-  return acc;
+// The sums of four 8-lane accumulators, each ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): one add tree for
+// four scores (a, a, a, a gives one score the same bits in every lane).
+__attribute__((target("avx2,fma"))) inline __m128 sum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
 }
 
-// out[0, CHUNKS * 8) = sum over slots of weights[u] * values[u]: the accumulators stay in registers, slots outer.
+// ROWS query rows x KEYS (4 or 1) slots of scores: one 8-lane chain per pair over the head size, in the same order
+// for every pair, and the same add tree, so a pair's score is the same bits whichever tile computes it; then
+// * scale + mask.
+template <int ROWS, int KEYS>
+__attribute__((target("avx2,fma"))) inline void score_tile(const float* queries, const float* keys, int64_t dim,
+                                                           float scale, const float* const* masks, int64_t t,
+                                                           float* weights, int64_t stride) {
+  __m256 acc[ROWS][KEYS];
+  for (int r = 0; r < ROWS; ++r) {
+    const __m256 q = _mm256_loadu_ps(queries + r * dim);
+    for (int c = 0; c < KEYS; ++c) acc[r][c] = _mm256_mul_ps(q, _mm256_loadu_ps(keys + c * dim));
+  }
+  for (int64_t d = 8; d < dim; d += 8) {
+    __m256 key[KEYS];
+    for (int c = 0; c < KEYS; ++c) key[c] = _mm256_loadu_ps(keys + c * dim + d);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 q = _mm256_loadu_ps(queries + r * dim + d);
+      for (int c = 0; c < KEYS; ++c) acc[r][c] = _mm256_fmadd_ps(q, key[c], acc[r][c]);
+    }
+  }
+  const __m128 scale4 = _mm_set1_ps(scale);
+  for (int r = 0; r < ROWS; ++r) {
+    if (KEYS == 4) {
+      const __m128 sums = sum4_avx2(acc[r][0], acc[r][KEYS > 1], acc[r][KEYS > 2 ? 2 : 0], acc[r][KEYS > 3 ? 3 : 0]);
+      _mm_storeu_ps(weights + r * stride + t, _mm_add_ps(_mm_mul_ps(sums, scale4), _mm_loadu_ps(masks[r] + t)));
+    } else {
+      const __m128 sums = sum4_avx2(acc[r][0], acc[r][0], acc[r][0], acc[r][0]);
+      weights[r * stride + t] = _mm_cvtss_f32(sums) * scale + masks[r][t];
+    }
+  }
+}
+
+// Rows [r, r + ROWS) against slots [t0, t1): four slots a tile, then one at a time.
+template <int ROWS>
+__attribute__((target("avx2,fma"))) inline void score_rows(const float* queries, const float* keys, int64_t dim,
+                                                           float scale, const float* const* masks, int64_t r,
+                                                           int64_t t0, int64_t t1, float* weights, int64_t stride) {
+  int64_t t = t0;
+  for (; t + 4 <= t1; t += 4)
+    score_tile<ROWS, 4>(queries + r * dim, keys + t * dim, dim, scale, masks + r, t, weights + r * stride, stride);
+  for (; t < t1; ++t)
+    score_tile<ROWS, 1>(queries + r * dim, keys + t * dim, dim, scale, masks + r, t, weights + r * stride, stride);
+}
+
+// sums[0, CHUNKS * 8) += weights[u] * values[u] for u in [t0, t1), slot by slot: each lane one chain in slot order.
 template <int CHUNKS>
-__attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* weights, const float* values, int64_t slots,
-                                                           float scale, float* out) {
+__attribute__((target("avx2,fma"))) inline void accumulate_tile(const float* weights, const float* values,
+                                                                int64_t t0, int64_t t1, int64_t dim, float* sums) {
   __m256 acc[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t u = 0; u < slots; ++u) {
+  for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_loadu_ps(sums + c * 8);
+  for (int64_t u = t0; u < t1; ++u) {
     const __m256 w = _mm256_set1_ps(weights[u]);
-    const float* value = values + u * CHUNKS * 8;
+    const float* value = values + u * dim;
     for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + c * 8), acc[c]);
   }
-  for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(out + c * 8, _mm256_mul_ps(acc[c], _mm256_set1_ps(scale)));
+  for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(sums + c * 8, acc[c]);
 }
 
-// One query row (D a multiple of 8): scores, softmax and the weighted sum of values, 8 lanes at a time.
-__attribute__((target("avx2,fma"))) void attend_avx2(const float* query, const float* keys, const float* values,
-                                                     const float* mask, int64_t slots, int64_t dim, float scale,
-                                                     float* weights, float* out) {
-  float top = -INFINITY;
-  int64_t t = 0;
-  for (; t + 4 <= slots; t += 4) {  // four slots at a time: four independent chains
-    const float* key = keys + t * dim;
-    const __m256 a = dot8(query, key, dim), b = dot8(query, key + dim, dim);
-    const __m256 c = dot8(query, key + 2 * dim, dim), d = dot8(query, key + 3 * dim, dim);
-    weights[t] = sum_avx2(a) * scale + mask[t];
-    weights[t + 1] = sum_avx2(b) * scale + mask[t + 1];
-    weights[t + 2] = sum_avx2(c) * scale + mask[t + 2];
-    weights[t + 3] = sum_avx2(d) * scale + mask[t + 3];
+// The task's rows against slots [0, T) of one KV head (D a multiple of 8). Slots are taken in blocks that stay in
+// cache while every row reads them; each row's arithmetic is the same whatever the block, the rows beside it, T
+// (the padded softmax lanes hold exact zeros) or the thread: a window's row is the bits of the row alone.
+__attribute__((target("avx2,fma"))) void attend_rows_avx2(Rows& rows, const float* keys, const float* values,
+                                                          int64_t slots, int64_t dim, float scale) {
+  const int64_t n = rows.count, stride = (slots + 7) / 8 * 8;
+  const float* queries = rows.queries.data();
+  float* weights = rows.weights.data();
+  for (int64_t t0 = 0; t0 < slots; t0 += kSlotBlock) {
+    const int64_t t1 = t0 + kSlotBlock < slots ? t0 + kSlotBlock : slots;
+    int64_t r = 0;
+    for (; r + 3 <= n; r += 3) score_rows<3>(queries, keys, dim, scale, rows.masks.data(), r, t0, t1, weights, stride);
+    if (n - r == 2) score_rows<2>(queries, keys, dim, scale, rows.masks.data(), r, t0, t1, weights, stride);
+    if (n - r == 1) score_rows<1>(queries, keys, dim, scale, rows.masks.data(), r, t0, t1, weights, stride);
   }
-  for (; t < slots; ++t) weights[t] = sum_avx2(dot8(query, keys + t * dim, dim)) * scale + mask[t];
-  for (t = 0; t < slots; ++t) top = weights[t] > top ? weights[t] : top;
-  const __m256 shift = _mm256_set1_ps(top);
-  __m256 total8 = _mm256_setzero_ps();
-  for (t = 0; t + 8 <= slots; t += 8) {
-    const __m256 w = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(weights + t), shift));
-    _mm256_storeu_ps(weights + t, w);
-    total8 = _mm256_add_ps(total8, w);
+  for (int64_t r = 0; r < n; ++r) {  // softmax numerators and their sum: 8 lanes by slot, the padding exact zeros
+    float* w = weights + r * stride;
+    float top = -INFINITY;
+    for (int64_t t = 0; t < slots; ++t) top = w[t] > top ? w[t] : top;
+    for (int64_t t = slots; t < stride; ++t) w[t] = -INFINITY;
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 total8 = _mm256_setzero_ps();
+    for (int64_t t = 0; t < stride; t += 8) {
+      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(w + t), shift));
+      _mm256_storeu_ps(w + t, e);
+      total8 = _mm256_add_ps(total8, e);
+    }
+    rows.totals[r] = sum_avx2(total8);
   }
-  float total = sum_avx2(total8);
-  for (; t < slots; ++t) {
-    weights[t] = std::exp(weights[t] - top);
-    total += weights[t];
+  std::fill(rows.sums.begin(), rows.sums.begin() + n * dim, 0.0f);
+  for (int64_t t0 = 0; t0 < slots; t0 += kSlotBlock) {
+    const int64_t t1 = t0 + kSlotBlock < slots ? t0 + kSlotBlock : slots;
+    for (int64_t r = 0; r < n; ++r) {
+      float* sums = rows.sums.data() + r * dim;
+      int64_t d = 0;
+      for (; d + 64 <= dim; d += 64) accumulate_tile<8>(weights + r * stride, values + d, t0, t1, dim, sums + d);
+      for (; d < dim; d += 8) accumulate_tile<1>(weights + r * stride, values + d, t0, t1, dim, sums + d);
+    }
   }
-  const float inverse = 1.0f / total;
-  if (dim == 64) return weighted_sum_avx2<8>(weights, values, slots, inverse, out);
-  if (dim == 128) return weighted_sum_avx2<16>(weights, values, slots, inverse, out);
-  for (int64_t d = 0; d < dim; d += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t u = 0; u < slots; ++u)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(weights[u]), _mm256_loadu_ps(values + u * dim + d), acc);
-    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(inverse)));
+  for (int64_t r = 0; r < n; ++r) {
+    const __m256 inverse = _mm256_set1_ps(1.0f / rows.totals[r]);
+    for (int64_t d = 0; d < dim; d += 8)
+      _mm256_storeu_ps(rows.outs[r] + d, _mm256_mul_ps(_mm256_loadu_ps(rows.sums.data() + r * dim + d), inverse));
   }
 }
 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
 
-// Task (b, h, s): one query row against every slot of its KV head.
-void row_task(void* data, size_t task) {
+// The same in plain C++ (other CPUs, head sizes not a multiple of 8): one row at a time, slots in order.
+void attend_rows(Rows& rows, const float* keys, const float* values, int64_t slots, int64_t dim, float scale) {
+  for (int64_t r = 0; r < rows.count; ++r) {
+    float* weights = rows.weights.data() + r * slots;
+    const float* query = rows.queries.data() + r * dim;
+    float top = -INFINITY;
+    for (int64_t t = 0; t < slots; ++t) {
+      weights[t] = dot(query, keys + t * dim, dim) * scale + rows.masks[r][t];
+      top = weights[t] > top ? weights[t] : top;
+    }
+    float total = 0.0f;
+    for (int64_t t = 0; t < slots; ++t) {
+      weights[t] = std::exp(weights[t] - top);
+      total += weights[t];
+    }
+    float* out = rows.outs[r];
+    for (int64_t d = 0; d < dim; ++d) out[d] = 0.0f;
+    for (int64_t t = 0; t < slots; ++t) {
+      const float w = weights[t];
+      const float* value = values + t * dim;
+      for (int64_t d = 0; d < dim; ++d) out[d] += w * value[d];
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t d = 0; d < dim; ++d) out[d] *= inverse;
+  }
+}
+
+// Task (b, kvh, block): up to kRowsPerTask query rows of one KV head against every slot of that head.
+void rows_task(void* data, size_t task) {
   const Job& j = *static_cast<const Job*>(data);
-  const int64_t s = static_cast<int64_t>(task) % j.S;
-  const int64_t h = static_cast<int64_t>(task) / j.S % j.H;
-  const int64_t b = static_cast<int64_t>(task) / (j.S * j.H);
-  const int64_t kvh = h / (j.H / j.KVH);
-  float query[kMaxHeadDim];
-  const int64_t angle = (b * j.S + s) * j.D;
-  rotate(j.q + (b * j.S + s) * j.H * j.D + h * j.D, j.cos + angle, j.sin + angle, j.D, query);
-  thread_local std::vector<float> weights;
-  weights.resize(static_cast<size_t>(j.T));
-  const float* keys = j.present_k + (b * j.KVH + kvh) * j.T * j.D;
-  const float* values = j.present_v + (b * j.KVH + kvh) * j.T * j.D;
-  const float* mask = j.mask + (b * j.S + s) * j.T;
-  float* out = j.y + (b * j.S + s) * j.H * j.D + h * j.D;
+  const int64_t block = static_cast<int64_t>(task) % j.row_blocks;
+  const int64_t kvh = static_cast<int64_t>(task) / j.row_blocks % j.KVH;
+  const int64_t b = static_cast<int64_t>(task) / (j.row_blocks * j.KVH);
+  const int64_t group = j.H / j.KVH, first = block * kRowsPerTask;
+  const int64_t last = first + kRowsPerTask < group * j.S ? first + kRowsPerTask : group * j.S;
+  thread_local Rows rows;
+  rows.count = last - first;
+  const size_t n = static_cast<size_t>(rows.count), stride = static_cast<size_t>((j.T + 7) / 8 * 8);
+  rows.queries.resize(n * j.D);
+  rows.weights.resize(n * stride);
+  rows.sums.resize(n * j.D);
+  rows.masks.resize(n);
+  rows.outs.resize(n);
+  rows.totals.resize(n);
+  for (int64_t r = first; r < last; ++r) {
+    const int64_t g = r / j.S, s = r % j.S, h = kvh * group + g, i = r - first;
+    const int64_t angle = (b * j.S + s) * j.D;
+    rotate(j.q + (b * j.S + s) * j.H * j.D + h * j.D, j.cos + angle, j.sin + angle, j.D, &rows.queries[i * j.D]);
+    rows.masks[i] = j.mask + (b * j.S + s) * j.T;
+    rows.outs[i] = j.y + (b * j.S + s) * j.H * j.D + h * j.D;
+  }
+  const float* keys = j.keys[kvh] + b * j.kv_stride;
+  const float* values = j.values[kvh] + b * j.kv_stride;
 #ifdef MIRRORSD_ATTENTION_AVX2
-  if (kHasAvx2 && j.D % 8 == 0) {
-    attend_avx2(query, keys, values, mask, j.T, j.D, j.scale, weights.data(), out);
-    return;
-  }
+  if (kHasAvx2 && j.D % 8 == 0) return attend_rows_avx2(rows, keys, values, j.T, j.D, j.scale);
 #endif
-  float top = -INFINITY;
-  for (int64_t t = 0; t < j.T; ++t) {
-    weights[t] = dot(query, keys + t * j.D, j.D) * j.scale + mask[t];
-    top = weights[t] > top ? weights[t] : top;
-  }
-  float total = 0.0f;
-  for (int64_t t = 0; t < j.T; ++t) {
-    weights[t] = std::exp(weights[t] - top);
-    total += weights[t];
-  }
-  for (int64_t d = 0; d < j.D; ++d) out[d] = 0.0f;
-  for (int64_t t = 0; t < j.T; ++t) {
-    const float w = weights[t];
-    const float* value = values + t * j.D;
-    for (int64_t d = 0; d < j.D; ++d) out[d] += w * value[d];
-  }
-  const float inverse = 1.0f / total;
-  for (int64_t d = 0; d < j.D; ++d) out[d] *= inverse;
+  attend_rows(rows, keys, values, j.T, j.D, j.scale);
 }
 
 }  // namespace
 
 OrtStatus* Attention::error(OrtErrorCode code, const std::string& what, const std::string& fix) const {
-  const std::string text = "mirrorsd.kern GroupedAttention node '" + node_ + "': " + what + ". Fix: " + fix + ".";
+  const std::string text = std::string("mirrorsd.kern ") + (in_place_ ? "InPlaceAttention" : "GroupedAttention") +
+                           " node '" + node_ + "': " + what + ". Fix: " + fix + ".";
   return api_->CreateStatus(code, text.c_str());
 }
 
-OrtStatus* Attention::create(const OrtApi* api, const OrtKernelInfo* info, Attention** out) {
-  std::unique_ptr<Attention> kernel(new Attention(api, node_name(api, info)));
+OrtStatus* Attention::create(const OrtApi* api, const OrtKernelInfo* info, bool in_place, Attention** out) {
+  std::unique_ptr<Attention> kernel(new Attention(api, node_name(api, info), in_place));
   int64_t heads = 0, kv_heads = 0;
   float scale = 0.0f;
   OrtStatus* s = api->KernelInfoGetAttribute_int64(info, "num_heads", &heads);
@@ -274,7 +369,8 @@ OrtStatus* Attention::create(const OrtApi* api, const OrtKernelInfo* info, Atten
   if (s) {
     api->ReleaseStatus(s);
     return kernel->error(ORT_INVALID_ARGUMENT, "the attributes num_heads, kv_num_heads and scale are required",
-                         "rewrite the graph with mirrorsd.devices.kernels.attention_rewrite");
+                         in_place ? "rewrite the graph with mirrorsd.devices.kernels.kv_in_place"
+                                  : "rewrite the graph with mirrorsd.devices.kernels.attention_rewrite");
   }
   if (heads < 1 || kv_heads < 1 || heads % kv_heads != 0)
     return kernel->error(ORT_INVALID_ARGUMENT, "num_heads=" + std::to_string(heads) + " is not a multiple of "
@@ -287,11 +383,17 @@ OrtStatus* Attention::create(const OrtApi* api, const OrtKernelInfo* info, Atten
 }
 
 OrtStatus* Attention::compute(OrtKernelContext* context) const {
-  Tensor in[kAttentionInputs];
-  for (size_t i = 0; i < kAttentionInputs; ++i) {
+  size_t count = 0;
+  ATTENTION_RETURN_IF(api_->KernelContext_GetInputCount(context, &count));
+  const size_t want = in_place_ ? kPastK + 2 * static_cast<size_t>(kv_heads_) : kAttentionInputs;
+  if (count != want)
+    return error(ORT_INVALID_ARGUMENT, std::to_string(count) + " inputs", "give " + std::to_string(want) +
+                 (in_place_ ? " (q, k, v, cos, sin, mask, then one key view and one value view per KV head)" : ""));
+  std::vector<Tensor> in(count);
+  for (size_t i = 0; i < count; ++i) {
     const OrtValue* value = nullptr;
     ATTENTION_RETURN_IF(api_->KernelContext_GetInput(context, i, &value));
-    if (!value) return error(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " is missing", "give all 8");
+    if (!value) return error(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " is missing", "give all inputs");
     ATTENTION_RETURN_IF(float_tensor(api_, value, in[i]));
   }
   const Tensor& q = in[kQ];
@@ -303,52 +405,77 @@ OrtStatus* Attention::compute(OrtKernelContext* context) const {
   j.H = heads_;
   j.KVH = kv_heads_;
   j.D = q.dims[2] / heads_;
-  const Tensor& past = in[kPastK];
-  j.P = past.dims.size() == 4 ? past.dims[2] : -1;
+  const Tensor& past = in[kPastK];  // in place: the first key view, [B, 1, P + S, D]
+  j.P = past.dims.size() != 4 ? -1 : in_place_ ? past.dims[2] - j.S : past.dims[2];
   j.T = j.P + j.S;
   j.scale = scale_;
   if (j.D % 2 != 0 || j.D > kMaxHeadDim)
     return error(ORT_NOT_IMPLEMENTED, "head size " + std::to_string(j.D), "use an even head size up to 512");
-  const bool shapes_ok = has_dims(in[kK], {j.B, j.S, j.KVH * j.D}) && has_dims(in[kV], {j.B, j.S, j.KVH * j.D}) &&
-                         has_dims(in[kCos], {j.B, j.S, j.D}) && has_dims(in[kSin], {j.B, j.S, j.D}) &&
-                         has_dims(in[kMask], {j.B, 1, j.S, j.T}) && has_dims(past, {j.B, j.KVH, j.P, j.D}) &&
-                         has_dims(in[kPastV], {j.B, j.KVH, j.P, j.D});
+  bool shapes_ok = has_dims(in[kK], {j.B, j.S, j.KVH * j.D}) && has_dims(in[kV], {j.B, j.S, j.KVH * j.D}) &&
+                   has_dims(in[kCos], {j.B, j.S, j.D}) && has_dims(in[kSin], {j.B, j.S, j.D}) &&
+                   has_dims(in[kMask], {j.B, 1, j.S, j.T});
+  if (in_place_) {
+    for (size_t i = kPastK; i < count; ++i) shapes_ok = shapes_ok && has_dims(in[i], {j.B, 1, j.T, j.D});
+  } else {
+    shapes_ok = shapes_ok && has_dims(past, {j.B, j.KVH, j.P, j.D}) && has_dims(in[kPastV], {j.B, j.KVH, j.P, j.D});
+  }
   if (j.P < 0 || !shapes_ok)
     return error(ORT_INVALID_ARGUMENT, "inputs of shapes q " + shape_text(q.dims) + ", k " + shape_text(in[kK].dims) +
                  ", v " + shape_text(in[kV].dims) + ", cos " + shape_text(in[kCos].dims) + ", mask " +
-                 shape_text(in[kMask].dims) + ", past_k " + shape_text(past.dims) + " do not fit together",
-                 "feed the shapes the op's comment lists");
+                 shape_text(in[kMask].dims) + (in_place_ ? ", key view 0 " : ", past_k ") + shape_text(past.dims) +
+                 " do not fit together",
+                 in_place_ ? "feed each view as [B, 1, past + new slots, D] (runtime/view_cache.py)"
+                           : "feed the shapes the op's comment lists");
   j.q = q.data;
   j.k = in[kK].data;
   j.v = in[kV].data;
   j.cos = in[kCos].data;
   j.sin = in[kSin].data;
   j.mask = in[kMask].data;
-  j.past_k = past.data;
-  j.past_v = in[kPastV].data;
   const int64_t y_dims[3] = {j.B, j.S, j.H * j.D};
-  const int64_t present_dims[4] = {j.B, j.KVH, j.T, j.D};
-  OrtValue* outputs[kAttentionOutputs] = {nullptr, nullptr, nullptr};
-  ATTENTION_RETURN_IF(api_->KernelContext_GetOutput(context, 0, y_dims, 3, &outputs[0]));
-  ATTENTION_RETURN_IF(api_->KernelContext_GetOutput(context, 1, present_dims, 4, &outputs[1]));
-  ATTENTION_RETURN_IF(api_->KernelContext_GetOutput(context, 2, present_dims, 4, &outputs[2]));
-  void* data[kAttentionOutputs] = {nullptr, nullptr, nullptr};
-  for (size_t i = 0; i < kAttentionOutputs; ++i) ATTENTION_RETURN_IF(api_->GetTensorMutableData(outputs[i], &data[i]));
-  j.y = static_cast<float*>(data[0]);
-  j.present_k = static_cast<float*>(data[1]);
-  j.present_v = static_cast<float*>(data[2]);
+  OrtValue* y = nullptr;
+  ATTENTION_RETURN_IF(api_->KernelContext_GetOutput(context, 0, y_dims, 3, &y));
+  void* y_data = nullptr;
+  ATTENTION_RETURN_IF(api_->GetTensorMutableData(y, &y_data));
+  j.y = static_cast<float*>(y_data);
+  if (in_place_) {  // the host's buffers: the past is there already, the new slots are written into them
+    for (int64_t h = 0; h < j.KVH; ++h) {
+      j.keys.push_back(in[kPastK + h].data);
+      j.values.push_back(in[kPastK + j.KVH + h].data);
+    }
+    j.kv_stride = j.T * j.D;
+  } else {
+    j.past_k = past.data;
+    j.past_v = in[kPastV].data;
+    const int64_t present_dims[4] = {j.B, j.KVH, j.T, j.D};
+    float* presents[2] = {nullptr, nullptr};
+    for (size_t i = 0; i < 2; ++i) {
+      OrtValue* output = nullptr;
+      void* data = nullptr;
+      ATTENTION_RETURN_IF(api_->KernelContext_GetOutput(context, i + 1, present_dims, 4, &output));
+      ATTENTION_RETURN_IF(api_->GetTensorMutableData(output, &data));
+      presents[i] = static_cast<float*>(data);
+    }
+    for (int64_t h = 0; h < j.KVH; ++h) {
+      j.keys.push_back(presents[0] + h * j.T * j.D);
+      j.values.push_back(presents[1] + h * j.T * j.D);
+    }
+    j.kv_stride = j.KVH * j.T * j.D;
+  }
+  const size_t kv_tasks = static_cast<size_t>(j.B * j.KVH);
   if (j.B == 0 || j.S == 0) {  // nothing new: the presents are the pasts
-    for (size_t task = 0; task < static_cast<size_t>(j.B * j.KVH); ++task) append_task(&j, task);
+    for (size_t task = 0; task < kv_tasks; ++task) append_task(&j, task);
     return nullptr;
   }
-  const size_t kv_tasks = static_cast<size_t>(j.B * j.KVH), rows = static_cast<size_t>(j.B * j.H * j.S);
+  j.row_blocks = (j.H / j.KVH * j.S + kRowsPerTask - 1) / kRowsPerTask;
+  const size_t row_tasks = static_cast<size_t>(j.B * j.KVH * j.row_blocks);
   if (j.B * j.H * j.S * j.T * j.D < kInlineWork) {
     for (size_t task = 0; task < kv_tasks; ++task) append_task(&j, task);
-    for (size_t task = 0; task < rows; ++task) row_task(&j, task);
+    for (size_t task = 0; task < row_tasks; ++task) rows_task(&j, task);
     return nullptr;
   }
   ATTENTION_RETURN_IF(api_->KernelContext_ParallelFor(context, append_task, kv_tasks, 0, &j));
-  return api_->KernelContext_ParallelFor(context, row_task, rows, 0, &j);
+  return api_->KernelContext_ParallelFor(context, rows_task, row_tasks, 0, &j);
 }
 
 }  // namespace mirrorsd_kern

@@ -1,7 +1,7 @@
 // The library's entry points: RegisterCustomOps (what SessionOptions.register_custom_ops_library calls) adds the
 // domain "mirrorsd.kern" with three ops: MatMulNBits, a drop-in for com.microsoft::MatMulNBits (same inputs,
-// outputs and attributes), and GroupedAttention (attention.cpp) and KVWrite (kv_write.cpp), which only graphs
-// rewritten for them name (devices/kernels/attention_rewrite.py, kv_in_place.py). Two ways to route a graph's
+// outputs and attributes), and GroupedAttention and InPlaceAttention (attention.cpp), which only graphs rewritten for
+// them name (devices/kernels/attention_rewrite.py, kv_in_place.py). Two ways to route a graph's
 // MatMulNBits nodes to the first:
 //   - rewrite the nodes' domain: "mirrorsd.kern" has the length of "com.microsoft", so the bytes change in place;
 //   - set the session config entry "mirrorsd_kern.replace_com_microsoft" = "1" before registering: the op is then
@@ -16,7 +16,6 @@
 #include "arena.hpp"
 #include "attention.hpp"
 #include "kernel.hpp"
-#include "kv_write.hpp"
 
 namespace mirrorsd_kern {
 
@@ -105,10 +104,11 @@ const OrtCustomOp* matmul_nbits_op() {
   return &op;
 }
 
-// A custom op whose inputs and outputs are all required float tensors, run by kernel class K (K::create and
-// K::compute): GroupedAttention and KVWrite.
-template <class K, const char* Name, size_t Inputs, size_t Outputs>
+// A custom op whose inputs and outputs are all float tensors, required (the last input variadic when VariadicLast),
+// made by Op::create and run by its kernel's compute: GroupedAttention and InPlaceAttention.
+template <class Op, const char* Name, size_t Inputs, size_t Outputs, bool VariadicLast = false>
 const OrtCustomOp* float_op() {
+  using K = typename Op::Kernel;
   static OrtCustomOp op = [] {
     OrtCustomOp o;
     std::memset(&o, 0, sizeof(o));
@@ -120,7 +120,9 @@ const OrtCustomOp* float_op() {
     o.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
     o.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return Outputs; };
     o.KernelDestroy = [](void* kernel) { delete static_cast<K*>(kernel); };
-    o.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    o.GetInputCharacteristic = [](const OrtCustomOp*, size_t index) {
+      return VariadicLast && index + 1 == Inputs ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
+    };
     o.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     o.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
     o.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
@@ -129,7 +131,7 @@ const OrtCustomOp* float_op() {
     o.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
     o.CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
       K* made = nullptr;
-      OrtStatus* status = K::create(api, info, &made);
+      OrtStatus* status = Op::create(api, info, &made);
       *kernel = made;
       return status;
     };
@@ -144,7 +146,7 @@ const OrtCustomOp* float_op() {
 }
 
 constexpr char kGroupedAttention[] = "GroupedAttention";
-constexpr char kKVWrite[] = "KVWrite";
+constexpr char kInPlaceAttention[] = "InPlaceAttention";
 
 OrtStatus* wants_replace(const OrtApi* api, const OrtSessionOptions* options, bool& replace) {
   int has = 0;
@@ -247,9 +249,11 @@ ORT_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
       if (OrtStatus* s = api->CreateCustomOpDomain(names[i], &domains[i])) return s;
       if (OrtStatus* s = api->CustomOpDomain_Add(domains[i], matmul_nbits_op())) return s;
       if (i == 0) {  // mirrorsd's own op, under its own domain only
-        const OrtCustomOp* attention = float_op<Attention, kGroupedAttention, 8, 3>();
+        const OrtCustomOp* attention = float_op<GroupedAttentionOp, kGroupedAttention, 8, 3>();
         if (OrtStatus* s = api->CustomOpDomain_Add(domains[i], attention)) return s;
-        if (OrtStatus* s = api->CustomOpDomain_Add(domains[i], float_op<KVWrite, kKVWrite, 3, 1>())) return s;
+        // q, k, v, cos, sin, mask, then the views (one key and one value view per KV head)
+        const OrtCustomOp* in_place = float_op<InPlaceAttentionOp, kInPlaceAttention, 7, 1, true>();
+        if (OrtStatus* s = api->CustomOpDomain_Add(domains[i], in_place)) return s;
       }
     }
     if (OrtStatus* s = api->AddCustomOpDomain(options, domains[i])) return s;
