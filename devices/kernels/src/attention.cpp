@@ -142,11 +142,13 @@ float dot(const float* a, const float* b, int64_t n) {
 struct Rows {
   int64_t count = 0;
   std::vector<float> queries;  // [count, D], rotated
-  std::vector<float> weights;  // [count, padded T]: scores, then exp(score - max)
+  std::vector<float> weights;  // scores, then exp(score - max): [T / 32][count][32] on the AVX2 path, [count, T]
+                               // on the plain one (the size of whole blocks either way)
   std::vector<float> sums;     // [count, D]: the weighted sums of values
   std::vector<const float*> masks;
   std::vector<float*> outs;
-  std::vector<float> totals;
+  std::vector<float> tops;     // [count]: each row's largest score
+  std::vector<float> totals8;  // [count, 8]: each row's running 8-lane sum of softmax numerators
 };
 
 #ifdef MIRRORSD_ATTENTION_AVX2
@@ -191,7 +193,7 @@ __attribute__((target("avx2,fma"))) inline __m128 sum4_avx2(__m256 a, __m256 b, 
 template <int ROWS, int KEYS>
 __attribute__((target("avx2,fma"))) inline void score_tile(const float* queries, const float* keys, int64_t dim,
                                                            float scale, const float* const* masks, int64_t t,
-                                                           float* weights, int64_t stride) {
+                                                           float* out, int64_t stride) {
   __m256 acc[ROWS][KEYS];
   for (int r = 0; r < ROWS; ++r) {
     const __m256 q = _mm256_loadu_ps(queries + r * dim);
@@ -209,33 +211,36 @@ __attribute__((target("avx2,fma"))) inline void score_tile(const float* queries,
   for (int r = 0; r < ROWS; ++r) {
     if (KEYS == 4) {
       const __m128 sums = sum4_avx2(acc[r][0], acc[r][KEYS > 1], acc[r][KEYS > 2 ? 2 : 0], acc[r][KEYS > 3 ? 3 : 0]);
-      _mm_storeu_ps(weights + r * stride + t, _mm_add_ps(_mm_mul_ps(sums, scale4), _mm_loadu_ps(masks[r] + t)));
+      _mm_storeu_ps(out + r * stride, _mm_add_ps(_mm_mul_ps(sums, scale4), _mm_loadu_ps(masks[r] + t)));
     } else {
       const __m128 sums = sum4_avx2(acc[r][0], acc[r][0], acc[r][0], acc[r][0]);
-      weights[r * stride + t] = _mm_cvtss_f32(sums) * scale + masks[r][t];
+      out[r * stride] = _mm_cvtss_f32(sums) * scale + masks[r][t];
     }
   }
 }
 
-// Rows [r, r + ROWS) against slots [t0, t1): four slots a tile, then one at a time.
+// Rows [r, r + ROWS) against slots [t0, t1) into their segments of the block's scores (row i at block + i * 32):
+// four slots a tile, then one at a time.
 template <int ROWS>
 __attribute__((target("avx2,fma"))) inline void score_rows(const float* queries, const float* keys, int64_t dim,
                                                            float scale, const float* const* masks, int64_t r,
-                                                           int64_t t0, int64_t t1, float* weights, int64_t stride) {
+                                                           int64_t t0, int64_t t1, float* block) {
   int64_t t = t0;
   for (; t + 4 <= t1; t += 4)
-    score_tile<ROWS, 4>(queries + r * dim, keys + t * dim, dim, scale, masks + r, t, weights + r * stride, stride);
+    score_tile<ROWS, 4>(queries + r * dim, keys + t * dim, dim, scale, masks + r, t, block + r * kSlotBlock + t - t0,
+                        kSlotBlock);
   for (; t < t1; ++t)
-    score_tile<ROWS, 1>(queries + r * dim, keys + t * dim, dim, scale, masks + r, t, weights + r * stride, stride);
+    score_tile<ROWS, 1>(queries + r * dim, keys + t * dim, dim, scale, masks + r, t, block + r * kSlotBlock + t - t0,
+                        kSlotBlock);
 }
 
-// sums[0, CHUNKS * 8) += weights[u] * values[u] for u in [t0, t1), slot by slot: each lane one chain in slot order.
+// sums[0, CHUNKS * 8) += weights[u] * values[u] for u in [0, count), slot by slot: each lane one chain in slot order.
 template <int CHUNKS>
 __attribute__((target("avx2,fma"))) inline void accumulate_tile(const float* weights, const float* values,
-                                                                int64_t t0, int64_t t1, int64_t dim, float* sums) {
+                                                                int64_t count, int64_t dim, float* sums) {
   __m256 acc[CHUNKS];
   for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_loadu_ps(sums + c * 8);
-  for (int64_t u = t0; u < t1; ++u) {
+  for (int64_t u = 0; u < count; ++u) {
     const __m256 w = _mm256_set1_ps(weights[u]);
     const float* value = values + u * dim;
     for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + c * 8), acc[c]);
@@ -243,47 +248,56 @@ __attribute__((target("avx2,fma"))) inline void accumulate_tile(const float* wei
   for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(sums + c * 8, acc[c]);
 }
 
-// The task's rows against slots [0, T) of one KV head (D a multiple of 8). Slots are taken in blocks that stay in
-// cache while every row reads them; each row's arithmetic is the same whatever the block, the rows beside it, T
-// (the padded softmax lanes hold exact zeros) or the thread: a window's row is the bits of the row alone.
+// The task's rows against slots [0, T) of one KV head (D a multiple of 8), block by block of kSlotBlock slots: the
+// scores of every row (kept block by block, [block][row][kSlotBlock], so a block's are contiguous) and each row's
+// maximum; then per block and row the softmax numerators (8 lanes by slot, the lanes past T exact zeros), their
+// running 8-lane sum and the weighted values. Each row's arithmetic is the same whatever the block, the rows beside
+// it, T or the thread: a window's row is the bits of the row alone.
 __attribute__((target("avx2,fma"))) void attend_rows_avx2(Rows& rows, const float* keys, const float* values,
                                                           int64_t slots, int64_t dim, float scale) {
-  const int64_t n = rows.count, stride = (slots + 7) / 8 * 8;
+  const int64_t n = rows.count, block_floats = n * kSlotBlock;
   const float* queries = rows.queries.data();
+  const float* const* masks = rows.masks.data();
   float* weights = rows.weights.data();
+  float* tops = rows.tops.data();
+  std::fill(tops, tops + n, -INFINITY);
   for (int64_t t0 = 0; t0 < slots; t0 += kSlotBlock) {
     const int64_t t1 = t0 + kSlotBlock < slots ? t0 + kSlotBlock : slots;
+    float* block = weights + t0 / kSlotBlock * block_floats;
     int64_t r = 0;
-    for (; r + 3 <= n; r += 3) score_rows<3>(queries, keys, dim, scale, rows.masks.data(), r, t0, t1, weights, stride);
-    if (n - r == 2) score_rows<2>(queries, keys, dim, scale, rows.masks.data(), r, t0, t1, weights, stride);
-    if (n - r == 1) score_rows<1>(queries, keys, dim, scale, rows.masks.data(), r, t0, t1, weights, stride);
-  }
-  for (int64_t r = 0; r < n; ++r) {  // softmax numerators and their sum: 8 lanes by slot, the padding exact zeros
-    float* w = weights + r * stride;
-    float top = -INFINITY;
-    for (int64_t t = 0; t < slots; ++t) top = w[t] > top ? w[t] : top;
-    for (int64_t t = slots; t < stride; ++t) w[t] = -INFINITY;
-    const __m256 shift = _mm256_set1_ps(top);
-    __m256 total8 = _mm256_setzero_ps();
-    for (int64_t t = 0; t < stride; t += 8) {
-      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(w + t), shift));
-      _mm256_storeu_ps(w + t, e);
-      total8 = _mm256_add_ps(total8, e);
+    for (; r + 3 <= n; r += 3) score_rows<3>(queries, keys, dim, scale, masks, r, t0, t1, block);
+    if (n - r == 2) score_rows<2>(queries, keys, dim, scale, masks, r, t0, t1, block);
+    if (n - r == 1) score_rows<1>(queries, keys, dim, scale, masks, r, t0, t1, block);
+    for (r = 0; r < n; ++r) {
+      const float* w = block + r * kSlotBlock;
+      for (int64_t u = 0; u < t1 - t0; ++u) tops[r] = w[u] > tops[r] ? w[u] : tops[r];
     }
-    rows.totals[r] = sum_avx2(total8);
   }
+  float* totals8 = rows.totals8.data();
+  std::fill(totals8, totals8 + n * 8, 0.0f);
   std::fill(rows.sums.begin(), rows.sums.begin() + n * dim, 0.0f);
   for (int64_t t0 = 0; t0 < slots; t0 += kSlotBlock) {
-    const int64_t t1 = t0 + kSlotBlock < slots ? t0 + kSlotBlock : slots;
+    const int64_t count = t0 + kSlotBlock < slots ? kSlotBlock : slots - t0, padded = (count + 7) / 8 * 8;
+    float* block = weights + t0 / kSlotBlock * block_floats;
     for (int64_t r = 0; r < n; ++r) {
+      float* w = block + r * kSlotBlock;
+      for (int64_t u = count; u < padded; ++u) w[u] = -INFINITY;
+      const __m256 shift = _mm256_set1_ps(tops[r]);
+      __m256 total8 = _mm256_loadu_ps(totals8 + r * 8);
+      for (int64_t u = 0; u < padded; u += 8) {
+        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(w + u), shift));
+        _mm256_storeu_ps(w + u, e);
+        total8 = _mm256_add_ps(total8, e);
+      }
+      _mm256_storeu_ps(totals8 + r * 8, total8);
       float* sums = rows.sums.data() + r * dim;
       int64_t d = 0;
-      for (; d + 64 <= dim; d += 64) accumulate_tile<8>(weights + r * stride, values + d, t0, t1, dim, sums + d);
-      for (; d < dim; d += 8) accumulate_tile<1>(weights + r * stride, values + d, t0, t1, dim, sums + d);
+      for (; d + 64 <= dim; d += 64) accumulate_tile<8>(w, values + t0 * dim + d, count, dim, sums + d);
+      for (; d < dim; d += 8) accumulate_tile<1>(w, values + t0 * dim + d, count, dim, sums + d);
     }
   }
   for (int64_t r = 0; r < n; ++r) {
-    const __m256 inverse = _mm256_set1_ps(1.0f / rows.totals[r]);
+    const __m256 inverse = _mm256_set1_ps(1.0f / sum_avx2(_mm256_loadu_ps(totals8 + r * 8)));
     for (int64_t d = 0; d < dim; d += 8)
       _mm256_storeu_ps(rows.outs[r] + d, _mm256_mul_ps(_mm256_loadu_ps(rows.sums.data() + r * dim + d), inverse));
   }
@@ -329,13 +343,15 @@ void rows_task(void* data, size_t task) {
   const int64_t last = first + kRowsPerTask < group * j.S ? first + kRowsPerTask : group * j.S;
   thread_local Rows rows;
   rows.count = last - first;
-  const size_t n = static_cast<size_t>(rows.count), stride = static_cast<size_t>((j.T + 7) / 8 * 8);
+  const size_t n = static_cast<size_t>(rows.count);
+  const size_t stride = static_cast<size_t>((j.T + kSlotBlock - 1) / kSlotBlock * kSlotBlock);  // >= T, whole blocks
   rows.queries.resize(n * j.D);
   rows.weights.resize(n * stride);
   rows.sums.resize(n * j.D);
   rows.masks.resize(n);
   rows.outs.resize(n);
-  rows.totals.resize(n);
+  rows.tops.resize(n);
+  rows.totals8.resize(n * 8);
   for (int64_t r = first; r < last; ++r) {
     const int64_t g = r / j.S, s = r % j.S, h = kvh * group + g, i = r - first;
     const int64_t angle = (b * j.S + s) * j.D;

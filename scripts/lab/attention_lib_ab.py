@@ -1,0 +1,58 @@
+"""Two builds of mirrorsd's kernels library, InPlaceAttention alone in each, alternated in one process: best of 6
+rounds per (rows, cached slots) shape of the Qwen2.5-Coder-1.5B target (12 query heads, 2 KV heads, head size 128),
+and whether the two give the same bits. Build each variant with `python -m mirrorsd.devices.kernels` (it prints the
+library's path; the cache keeps one per source hash).
+
+    python scripts/lab/attention_lib_ab.py BEFORE.so AFTER.so [THREADS]
+"""
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+H, KVH, D = 12, 2, 128
+LIBS = {"before": sys.argv[1], "after": sys.argv[2]}
+THREADS = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+NAMES = ["q", "k", "v", "cos", "sin", "mask"] + [f"key{h}" for h in range(KVH)] + [f"value{h}" for h in range(KVH)]
+
+
+def session(library: str):
+    node = helper.make_node("InPlaceAttention", NAMES, ["y"], domain="mirrorsd.kern", num_heads=H, kv_num_heads=KVH,
+                            scale=D ** -0.5)
+    graph = helper.make_graph([node], "attention", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                                    for n in NAMES],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("mirrorsd.kern", 1)])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = THREADS
+    opts.register_custom_ops_library(library)
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+rng = np.random.default_rng(0)
+for rows, past in [(1, 8192), (5, 8192), (1, 1000), (5, 1000), (256, 8192), (256, 0)]:
+    slots = past + rows
+    feeds = {"q": rng.standard_normal((1, rows, H * D), np.float32),
+             "k": rng.standard_normal((1, rows, KVH * D), np.float32),
+             "v": rng.standard_normal((1, rows, KVH * D), np.float32),
+             "cos": np.ones((1, rows, D), np.float32), "sin": np.zeros((1, rows, D), np.float32),
+             "mask": np.zeros((1, 1, rows, slots), np.float32)}
+    for h in range(KVH):
+        feeds[f"key{h}"] = rng.standard_normal((1, 1, slots, D)).astype(np.float32)
+        feeds[f"value{h}"] = rng.standard_normal((1, 1, slots, D)).astype(np.float32)
+    sessions = {name: session(path) for name, path in LIBS.items()}
+    calls = 2 if rows > 100 else 20
+    best = {name: float("inf") for name in sessions}
+    for _ in range(6):
+        for name, sess in sessions.items():
+            sess.run(None, feeds)
+            start = time.perf_counter()
+            for _ in range(calls):
+                sess.run(None, feeds)
+            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    # the views are written in place: both ran on the same feeds, so their outputs compare
+    outputs = [sess.run(None, feeds)[0] for sess in sessions.values()]
+    print(f"rows {rows:3d} after {past:5d} slots: " + "  ".join(f"{n} {v * 1e3:7.2f} ms" for n, v in best.items())
+          + f"  same bits {bool(np.array_equal(*outputs))}", flush=True)
