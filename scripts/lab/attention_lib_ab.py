@@ -7,12 +7,15 @@ library's path; the cache keeps one per source hash).
 """
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-H, KVH, D = 12, 2, 128
+sys.path.insert(0, str(Path(__file__).parent))
+from attention_op_bench import D, H, KVH, op_feeds  # noqa: E402
+
 LIBS = {"before": sys.argv[1], "after": sys.argv[2]}
 THREADS = int(sys.argv[3]) if len(sys.argv) > 3 else 2
 NAMES = ["q", "k", "v", "cos", "sin", "mask"] + [f"key{h}" for h in range(KVH)] + [f"value{h}" for h in range(KVH)]
@@ -33,15 +36,7 @@ def session(library: str):
 
 rng = np.random.default_rng(0)
 for rows, past in [(1, 8192), (5, 8192), (1, 1000), (5, 1000), (256, 8192), (256, 0)]:
-    slots = past + rows
-    feeds = {"q": rng.standard_normal((1, rows, H * D), np.float32),
-             "k": rng.standard_normal((1, rows, KVH * D), np.float32),
-             "v": rng.standard_normal((1, rows, KVH * D), np.float32),
-             "cos": np.ones((1, rows, D), np.float32), "sin": np.zeros((1, rows, D), np.float32),
-             "mask": np.zeros((1, 1, rows, slots), np.float32)}
-    for h in range(KVH):
-        feeds[f"key{h}"] = rng.standard_normal((1, 1, slots, D)).astype(np.float32)
-        feeds[f"value{h}"] = rng.standard_normal((1, 1, slots, D)).astype(np.float32)
+    feeds = op_feeds(rng, rows, past)
     sessions = {name: session(path) for name, path in LIBS.items()}
     calls = 2 if rows > 100 else 20
     best = {name: float("inf") for name in sessions}

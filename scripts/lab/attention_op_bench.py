@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 from mirrorsd.devices import kernels
 
 H, KVH, D = 12, 2, 128
-THREADS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+THREADS = int(sys.argv[1]) if len(sys.argv) > 1 and __name__ == "__main__" else 2
 
 
 def session(nodes, inputs, opsets, register):
@@ -43,33 +43,45 @@ def graphs():
     return session(nodes, ["q", "k", "v", "mask"], [("", 17)], False)
 
 
-rng = np.random.default_rng(0)
-for rows, past in [(1, 8192), (5, 8192), (256, 8192), (256, 0)]:
+def op_feeds(rng, rows: int, past: int) -> dict:
+    """Random inputs of InPlaceAttention for `rows` new rows after `past` cached slots (views of past + rows slots)."""
     slots = past + rows
-    mine = {"q": rng.standard_normal((1, rows, H * D), np.float32),
-            "k": rng.standard_normal((1, rows, KVH * D), np.float32),
-            "v": rng.standard_normal((1, rows, KVH * D), np.float32),
-            "cos": np.ones((1, rows, D), np.float32), "sin": np.zeros((1, rows, D), np.float32),
-            "mask": np.zeros((1, 1, rows, slots), np.float32)}
+    feeds = {"q": rng.standard_normal((1, rows, H * D), np.float32),
+             "k": rng.standard_normal((1, rows, KVH * D), np.float32),
+             "v": rng.standard_normal((1, rows, KVH * D), np.float32),
+             "cos": np.ones((1, rows, D), np.float32), "sin": np.zeros((1, rows, D), np.float32),
+             "mask": np.zeros((1, 1, rows, slots), np.float32)}
     for h in range(KVH):
-        mine[f"key{h}"] = rng.standard_normal((1, 1, slots, D)).astype(np.float32)
-        mine[f"value{h}"] = rng.standard_normal((1, 1, slots, D)).astype(np.float32)
-    group = H // KVH
-    theirs = {"q": rng.standard_normal((1, KVH, group * rows, D), np.float32),
-              "k": rng.standard_normal((1, KVH, slots, D), np.float32),
-              "v": rng.standard_normal((1, KVH, slots, D), np.float32),
-              "mask": np.zeros((1, 1, group * rows, slots), np.float32)}
-    runs = [(ours(), mine), (graphs(), theirs)]
-    calls = 2 if rows > 1 else 20
-    best = [float("inf")] * 2
-    for _ in range(6):
-        for i, (sess, feeds) in enumerate(runs):
-            sess.run(None, feeds)
-            start = time.perf_counter()
-            for _ in range(calls):
+        feeds[f"key{h}"] = rng.standard_normal((1, 1, slots, D)).astype(np.float32)
+        feeds[f"value{h}"] = rng.standard_normal((1, 1, slots, D)).astype(np.float32)
+    return feeds
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    for rows, past in [(1, 8192), (5, 8192), (256, 8192), (256, 0)]:
+        slots = past + rows
+        mine = op_feeds(rng, rows, past)
+        group = H // KVH
+        theirs = {"q": rng.standard_normal((1, KVH, group * rows, D), np.float32),
+                  "k": rng.standard_normal((1, KVH, slots, D), np.float32),
+                  "v": rng.standard_normal((1, KVH, slots, D), np.float32),
+                  "mask": np.zeros((1, 1, group * rows, slots), np.float32)}
+        runs = [(ours(), mine), (graphs(), theirs)]
+        calls = 2 if rows > 1 else 20
+        best = [float("inf")] * 2
+        for _ in range(6):
+            for i, (sess, feeds) in enumerate(runs):
                 sess.run(None, feeds)
-            best[i] = min(best[i], (time.perf_counter() - start) / calls)
-    flops = 2 * 2 * H * rows * slots * D
-    print(f"rows {rows:3d} after {past:5d} slots: InPlaceAttention {best[0] * 1e3:7.2f} ms "
-          f"({flops / best[0] / 1e9:5.1f} GFLOP/s)  graph nodes {best[1] * 1e3:7.2f} ms ({flops / best[1] / 1e9:5.1f})",
-          flush=True)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    sess.run(None, feeds)
+                best[i] = min(best[i], (time.perf_counter() - start) / calls)
+        flops = 2 * 2 * H * rows * slots * D
+        print(f"rows {rows:3d} after {past:5d} slots: InPlaceAttention {best[0] * 1e3:7.2f} ms "
+              f"({flops / best[0] / 1e9:5.1f} GFLOP/s)  graph nodes {best[1] * 1e3:7.2f} ms "
+              f"({flops / best[1] / 1e9:5.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
