@@ -31,7 +31,7 @@ from mirrorsd.onnx_wire import (LENGTH_DELIMITED, MalformedProtobuf, encode_vari
 
 OP_TYPE = "GroupedAttention"
 _MODEL_GRAPH = 7
-_GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_OUTPUT = 1, 5, 12
+_GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_INPUT, _GRAPH_OUTPUT = 1, 5, 11, 12
 _VALUE_INFO_NAME = 1
 _NODE_INPUT, _NODE_OUTPUT, _NODE_NAME, _NODE_OP_TYPE, _NODE_ATTRIBUTE, _NODE_DOMAIN = 1, 2, 3, 4, 5, 7
 _ATTRIBUTE_NAME, _ATTRIBUTE_FLOAT, _ATTRIBUTE_INT, _ATTRIBUTE_TENSOR, _ATTRIBUTE_TYPE = 1, 2, 3, 5, 20
@@ -142,31 +142,68 @@ class Layer:
     scale: float
 
 
-def fuse_attention(model: bytes) -> tuple[bytes, int]:
-    """``model`` (a serialized ModelProto) with every layer's attention one GroupedAttention node, and how many
-    layers changed; (``model``, 0) unchanged when any layer does not have the expected shape."""
+@dataclass
+class _GraphParts:
+    """A serialized model's graph, read for a rewrite: its nodes, and every other field's bytes as they were."""
+
+    span: tuple[int, int]  # the graph message's payload in the model
+    nodes: list
+    rest: list  # (field number, value-info name or "", the field's bytes: tag, length and payload)
+    inputs: list[str]
+    outputs: list[str]
+    constants: dict  # small initializers (shapes, scalars): name -> their span
+
+    def graph(self, model) -> "_Graph":
+        return _Graph(self.nodes, model, self.constants)
+
+
+def _read_graph(model) -> _GraphParts | None:
+    """The parts of ``model``'s graph, or None when it has none."""
     try:
-        graph_span = next((lo, hi) for f, w, lo, hi in fields(model, 0, len(model))
-                          if f == _MODEL_GRAPH and w == LENGTH_DELIMITED)
+        g0, g1 = next((lo, hi) for f, w, lo, hi in fields(model, 0, len(model))
+                      if f == _MODEL_GRAPH and w == LENGTH_DELIMITED)
     except StopIteration:
-        return model, 0
-    g0, g1 = graph_span
+        return None
     view = memoryview(model)
-    nodes, rest, outputs, constants = [], [], [], {}
+    parts = _GraphParts((g0, g1), [], [], [], [], {})
     start = g0  # where the current field's tag starts: fields follow each other
     for f, w, lo, hi in fields(model, g0, g1):
         if f == _GRAPH_NODE and w == LENGTH_DELIMITED:
-            nodes.append(_read_node(model, lo, hi))
-        else:
-            rest.append(view[start:hi])  # copied as it is: tag, length and payload
-            if f == _GRAPH_OUTPUT and w == LENGTH_DELIMITED:
-                outputs.append(_string_field(model, lo, hi, _VALUE_INFO_NAME))
-            elif f == _GRAPH_INITIALIZER and w == LENGTH_DELIMITED and hi - lo < 4096:  # shapes, scalars
-                constants[_string_field(model, lo, hi, _TENSOR_NAME)] = (lo, hi)
+            parts.nodes.append(_read_node(model, lo, hi))
+            start = hi
+            continue
+        io = f in (_GRAPH_INPUT, _GRAPH_OUTPUT) and w == LENGTH_DELIMITED
+        name = _string_field(model, lo, hi, _VALUE_INFO_NAME) if io else ""
+        if io:
+            (parts.inputs if f == _GRAPH_INPUT else parts.outputs).append(name)
+        parts.rest.append((f, name, view[start:hi]))
+        if f == _GRAPH_INITIALIZER and w == LENGTH_DELIMITED and hi - lo < 4096:  # shapes, scalars
+            parts.constants[_string_field(model, lo, hi, _TENSOR_NAME)] = (lo, hi)
         start = hi
-    graph = _Graph(nodes, model, constants)
+    return parts
+
+
+def _with_graph(model, span: tuple[int, int], body: bytes) -> bytes:
+    """``model`` with its graph's payload (at ``span``) replaced by ``body``, importing mirrorsd's op domain."""
+    g0, g1 = span
+    view = memoryview(model)
+    tag = encode_varint(_MODEL_GRAPH << 3 | LENGTH_DELIMITED)
+    graph_start = g0 - len(tag) - len(encode_varint(g1 - g0))  # the graph field's tag and length precede it
+    out = b"".join([view[:graph_start], tag, encode_varint(len(body)), body, view[g1:]])
+    if DOMAIN not in _opset_domains(out):
+        out += _opset_import(DOMAIN, 1)
+    return out
+
+
+def fuse_attention(model: bytes) -> tuple[bytes, int]:
+    """``model`` (a serialized ModelProto) with every layer's attention one GroupedAttention node, and how many
+    layers changed; (``model``, 0) unchanged when any layer does not have the expected shape."""
+    parts = _read_graph(model)
+    if parts is None:
+        return model, 0
+    graph = parts.graph(model)
     try:
-        layers = [graph.layer(name) for name in outputs if _is_present_key(name)]
+        layers = [graph.layer(name) for name in parts.outputs if _is_present_key(name)]
     except (NotThisShape, KeyError, IndexError, ValueError, StopIteration):
         return model, 0
     if not layers:
@@ -177,16 +214,11 @@ def fuse_attention(model: bytes) -> tuple[bytes, int]:
                        OP_TYPE, DOMAIN, [x.q, x.k, x.v, x.cos, x.sin, x.mask, x.past_k, x.past_v],
                        [x.y, x.present_k, x.present_v]) for x in layers]
     replaced = {name for x in layers for name in (x.y, x.present_k, x.present_v)}
-    kept = [n for n in nodes if not any(o in replaced for o in n.output)]
-    ordered = _live_in_order(kept + new_nodes, set(outputs))
-    node_bytes = b"".join(message_field(_GRAPH_NODE, n.raw) for n in ordered)
-    graph_length = len(node_bytes) + sum(len(piece) for piece in rest)
-    tag = encode_varint(_MODEL_GRAPH << 3 | LENGTH_DELIMITED)
-    graph_start = g0 - len(tag) - len(encode_varint(g1 - g0))  # the graph field's tag and length precede it
-    out = b"".join([view[:graph_start], tag, encode_varint(graph_length), node_bytes, *rest, view[g1:]])
-    if DOMAIN not in _opset_domains(out):
-        out += _opset_import(DOMAIN, 1)
-    return out, len(layers)
+    kept = [n for n in parts.nodes if not any(o in replaced for o in n.output)]
+    ordered = _live_in_order(kept + new_nodes, set(parts.outputs))
+    body = b"".join(message_field(_GRAPH_NODE, n.raw) for n in ordered)
+    body += b"".join(bytes(piece) for _, _, piece in parts.rest)
+    return _with_graph(model, parts.span, body), len(layers)
 
 
 class _Graph:

@@ -24,16 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mirrorsd.devices.kernels.attention_rewrite import (_GRAPH_INITIALIZER, _GRAPH_NODE, _GRAPH_OUTPUT, _MODEL_GRAPH,
-                                                        _TENSOR_NAME, _VALUE_INFO_NAME, Layer, NotThisShape, _Graph,
-                                                        _is_present_key, _live_in_order, _Node, _node_bytes,
-                                                        _read_node, _string_field)
-from mirrorsd.devices.kernels.rewrite import DOMAIN, _opset_domains, _opset_import
-from mirrorsd.onnx_wire import (LENGTH_DELIMITED, MalformedProtobuf, encode_varint, fields, message_field,
-                                varint_field)
+from mirrorsd.devices.kernels.attention_rewrite import (_GRAPH_INPUT, _GRAPH_NODE, _GRAPH_OUTPUT, _VALUE_INFO_NAME,
+                                                        Layer, NotThisShape, _Graph, _is_present_key, _live_in_order,
+                                                        _Node, _node_bytes, _read_graph, _with_graph)
+from mirrorsd.devices.kernels.rewrite import DOMAIN
+from mirrorsd.onnx_wire import MalformedProtobuf, message_field, varint_field
 
 OP_TYPE = "InPlaceAttention"
-_GRAPH_INPUT = 11
 _VALUE_INFO_TYPE, _TYPE_TENSOR, _TENSOR_ELEM_TYPE, _TENSOR_SHAPE, _SHAPE_DIM = 2, 1, 1, 2, 1
 _DIM_VALUE, _DIM_PARAM = 1, 2
 _FLOAT = 1
@@ -63,31 +60,12 @@ class InPlaceLayer:
 def kv_in_place(model: bytes) -> tuple[bytes, list[InPlaceLayer]]:
     """``model`` (a serialized ModelProto) with every layer's KV cache written in place, and the layers changed;
     (``model``, []) unchanged when any layer does not have the expected shape."""
-    try:
-        g0, g1 = next((lo, hi) for f, w, lo, hi in fields(model, 0, len(model))
-                      if f == _MODEL_GRAPH and w == LENGTH_DELIMITED)
-    except StopIteration:
+    parts = _read_graph(model)
+    if parts is None:
         return model, []
-    view = memoryview(model)
-    nodes, rest, inputs, outputs, constants = [], [], [], [], {}
-    start = g0
-    for f, w, lo, hi in fields(model, g0, g1):
-        if f == _GRAPH_NODE and w == LENGTH_DELIMITED:
-            nodes.append(_read_node(model, lo, hi))
-        else:
-            io = f in (_GRAPH_INPUT, _GRAPH_OUTPUT) and w == LENGTH_DELIMITED
-            name = _string_field(model, lo, hi, _VALUE_INFO_NAME) if io else ""
-            if f == _GRAPH_INPUT and w == LENGTH_DELIMITED:
-                inputs.append(name)
-            if f == _GRAPH_OUTPUT and w == LENGTH_DELIMITED:
-                outputs.append(name)
-            rest.append((f, name, view[start:hi]))
-            if f == _GRAPH_INITIALIZER and w == LENGTH_DELIMITED and hi - lo < 4096:  # shapes, scalars
-                constants[_string_field(model, lo, hi, _TENSOR_NAME)] = (lo, hi)
-        start = hi
-    graph = _Graph(nodes, model, constants)
+    graph = parts.graph(model)
     try:
-        found = [_find(graph, name, set(inputs)) for name in outputs if _is_present_key(name)]
+        found = [_find(graph, name, set(parts.inputs)) for name in parts.outputs if _is_present_key(name)]
     except (NotThisShape, KeyError, IndexError, ValueError, StopIteration):
         return model, []
     if not found:
@@ -96,19 +74,14 @@ def kv_in_place(model: bytes) -> tuple[bytes, list[InPlaceLayer]]:
     replaced = {name for _, x in found for name in (x.y, x.present_k, x.present_v)}
     dropped_io = {n for layer, _ in found for n in (layer.past_key, layer.past_value, layer.present_key,
                                                     layer.present_value)}
-    kept = [n for n in nodes if not any(o in replaced for o in n.output)]
-    ordered = _live_in_order(kept + new_nodes, set(outputs) - dropped_io)
+    kept = [n for n in parts.nodes if not any(o in replaced for o in n.output)]
+    ordered = _live_in_order(kept + new_nodes, set(parts.outputs) - dropped_io)
     pieces = [message_field(_GRAPH_NODE, n.raw) for n in ordered]
-    pieces += [bytes(piece) for f, name, piece in rest if not (f in (_GRAPH_INPUT, _GRAPH_OUTPUT) and name in dropped_io)]
+    pieces += [bytes(piece) for f, name, piece in parts.rest
+               if not (f in (_GRAPH_INPUT, _GRAPH_OUTPUT) and name in dropped_io)]
     pieces += [message_field(_GRAPH_INPUT, _view_info(name, layer.head_dim))
                for layer, _ in found for kind in ("key", "value") for name in layer.views(kind)]
-    body = b"".join(pieces)
-    tag = encode_varint(_MODEL_GRAPH << 3 | LENGTH_DELIMITED)
-    graph_start = g0 - len(tag) - len(encode_varint(g1 - g0))
-    out = b"".join([view[:graph_start], tag, encode_varint(len(body)), body, view[g1:]])
-    if DOMAIN not in _opset_domains(out):
-        out += _opset_import(DOMAIN, 1)
-    return out, [layer for layer, _ in found]
+    return _with_graph(model, parts.span, b"".join(pieces)), [layer for layer, _ in found]
 
 
 def _find(graph: _Graph, present_k: str, graph_inputs: set[str]) -> tuple[InPlaceLayer, Layer]:
