@@ -170,26 +170,28 @@ def test_the_rewritten_graphs_give_the_exported_graphs_numbers(lib, f32_export):
 
 
 def test_a_rows_bits_do_not_depend_on_its_window_or_the_threads(lib, int4_export):
-    """After 300 cached tokens (past ONNX Runtime's 128-slot reduction blocks), 40 tokens decoded one row at a time
-    and as one 40-row window (4 x 40 = 160 query rows per KV head, more than the head size: where ONNX Runtime's
-    MatMul splits rows instead of columns), on 2 threads and on 1: the logits bit for bit."""
+    """After 300 cached tokens (past ONNX Runtime's 128-slot reduction blocks), 100 tokens decoded one row at a time,
+    as windows of 40 and 60 rows (4 x 40 = 160 query rows per KV head, more than the head size: where ONNX Runtime's
+    MatMul splits rows instead of columns) and as one 100-row window (400 query rows per KV head: the op's longer
+    tasks, as a prompt chunk gets), on 2 threads and on 1: the logits bit for bit."""
     rng = np.random.default_rng(11)
     prompt = rng.integers(0, 200, (1, 300)).astype(np.int64)
-    tail = rng.integers(0, 200, (1, 40)).astype(np.int64)
+    tail = rng.integers(0, 200, (1, 100)).astype(np.int64)
+    windows = {"rows": [1] * 100, "40 + 60": [40, 60], "100": [100]}
     results = {}
     for threads in (2, 1):
         graphs = target_graphs(int4_export, threads)
-        for how in ("rows", "window"):
+        for how, widths in windows.items():
             caches = {graph: ViewCache(layers, 1, 64) for graph, (_, _, layers) in graphs.items()}
             call(graphs, caches, prompt[:, :256], 0)  # the prompt in two chunks
             call(graphs, caches, prompt[:, 256:], 256)
-            if how == "window":
-                results[threads, how] = call(graphs, caches, tail, 300)
-            else:
-                results[threads, how] = np.concatenate([call(graphs, caches, tail[:, i:i + 1], 300 + i)
-                                                        for i in range(40)], axis=1)
+            parts, start = [], 0
+            for width in widths:
+                parts.append(call(graphs, caches, tail[:, start:start + width], 300 + start))
+                start += width
+            results[threads, how] = np.concatenate(parts, axis=1)
     want = results[1, "rows"]
-    assert want.shape[1] == 40
+    assert want.shape[1] == 100
     for key, got in results.items():
         np.testing.assert_array_equal(got, want, err_msg=str(key))
 

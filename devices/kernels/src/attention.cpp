@@ -45,6 +45,10 @@ constexpr size_t kAttentionOutputs = 3;
 constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kInlineWork = 64 * 1024;  // multiply-adds below which the calling thread does it all
 constexpr int64_t kRowsPerTask = 24;      // query rows of one KV head per task (a decoding step's are one task)
+constexpr int64_t kRowsPerLongTask = 96;  // ... in a call with at least 4 such tasks per KV head (prompt chunks): each
+                                          // task streams its head's keys and values once, so fewer, longer tasks
+                                          // read the cache fewer times (which rows share a task never changes a
+                                          // row's bits)
 constexpr int64_t kSlotBlock = 32;        // slots whose keys (then values) every row of a task reads from L1
 
 #define ATTENTION_RETURN_IF(expr) \
@@ -104,7 +108,8 @@ struct Job {
   // where batch row b's KV head h keeps its T slots x D: keys[h] + b * kv_stride (the presents, or the host's views)
   std::vector<float*> keys, values;
   int64_t kv_stride;
-  int64_t row_blocks;  // tasks per (b, KV head): its G * S query rows in blocks of kRowsPerTask
+  int64_t task_rows;   // kRowsPerTask or kRowsPerLongTask
+  int64_t row_blocks;  // tasks per (b, KV head): its G * S query rows in blocks of task_rows
 };
 
 // Task (b, kvh): the past copied into the present (when there is one), then the new rows (k rotated).
@@ -234,18 +239,51 @@ __attribute__((target("avx2,fma"))) inline void score_rows(const float* queries,
                         kSlotBlock);
 }
 
-// sums[0, CHUNKS * 8) += weights[u] * values[u] for u in [0, count), slot by slot: each lane one chain in slot order.
-template <int CHUNKS>
+// ROWS rows' sums[.., CHUNKS * 8) += weights[u] * values[u] for u in [0, count) (row r's weights at weights + r *
+// kSlotBlock, its sums at sums + r * dim): each lane one chain in slot order, whatever rows share the tile (a row
+// alone gets the same bits); the rows share each loaded vector of values.
+template <int ROWS, int CHUNKS>
 __attribute__((target("avx2,fma"))) inline void accumulate_tile(const float* weights, const float* values,
                                                                 int64_t count, int64_t dim, float* sums) {
-  __m256 acc[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_loadu_ps(sums + c * 8);
+  __m256 acc[ROWS][CHUNKS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CHUNKS; ++c) acc[r][c] = _mm256_loadu_ps(sums + r * dim + c * 8);
   for (int64_t u = 0; u < count; ++u) {
-    const __m256 w = _mm256_set1_ps(weights[u]);
+    __m256 w[ROWS];
+    for (int r = 0; r < ROWS; ++r) w[r] = _mm256_set1_ps(weights[r * kSlotBlock + u]);
     const float* value = values + u * dim;
-    for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + c * 8), acc[c]);
+    for (int c = 0; c < CHUNKS; ++c) {
+      const __m256 v = _mm256_loadu_ps(value + c * 8);
+      for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm256_fmadd_ps(w[r], v, acc[r][c]);
+    }
   }
-  for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(sums + c * 8, acc[c]);
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(sums + r * dim + c * 8, acc[r][c]);
+}
+
+// Rows [r, r + ROWS) of a block's weights against its values, 32 dims a tile, then 8.
+template <int ROWS>
+__attribute__((target("avx2,fma"))) inline void accumulate_rows(const float* block, const float* values,
+                                                                int64_t count, int64_t dim, float* sums) {
+  int64_t d = 0;
+  for (; d + 32 <= dim; d += 32) accumulate_tile<ROWS, 4>(block, values + d, count, dim, sums + d);
+  for (; d < dim; d += 8) accumulate_tile<ROWS, 1>(block, values + d, count, dim, sums + d);
+}
+
+// The largest of top and w[0, count), in registers (a maximum is exact in any order).
+__attribute__((target("avx2,fma"))) inline float block_max(const float* w, int64_t count, float top) {
+  int64_t u = 0;
+  if (count >= 8) {
+    __m256 m = _mm256_loadu_ps(w);
+    for (u = 8; u + 8 <= count; u += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(w + u));
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    const float v = _mm_cvtss_f32(x);
+    top = v > top ? v : top;
+  }
+  for (; u < count; ++u) top = w[u] > top ? w[u] : top;
+  return top;
 }
 
 // The task's rows against slots [0, T) of one KV head (D a multiple of 8), block by block of kSlotBlock slots: the
@@ -268,10 +306,7 @@ __attribute__((target("avx2,fma"))) void attend_rows_avx2(Rows& rows, const floa
     for (; r + 3 <= n; r += 3) score_rows<3>(queries, keys, dim, scale, masks, r, t0, t1, block);
     if (n - r == 2) score_rows<2>(queries, keys, dim, scale, masks, r, t0, t1, block);
     if (n - r == 1) score_rows<1>(queries, keys, dim, scale, masks, r, t0, t1, block);
-    for (r = 0; r < n; ++r) {
-      const float* w = block + r * kSlotBlock;
-      for (int64_t u = 0; u < t1 - t0; ++u) tops[r] = w[u] > tops[r] ? w[u] : tops[r];
-    }
+    for (r = 0; r < n; ++r) tops[r] = block_max(block + r * kSlotBlock, t1 - t0, tops[r]);
   }
   float* totals8 = rows.totals8.data();
   std::fill(totals8, totals8 + n * 8, 0.0f);
@@ -290,11 +325,13 @@ __attribute__((target("avx2,fma"))) void attend_rows_avx2(Rows& rows, const floa
         total8 = _mm256_add_ps(total8, e);
       }
       _mm256_storeu_ps(totals8 + r * 8, total8);
-      float* sums = rows.sums.data() + r * dim;
-      int64_t d = 0;
-      for (; d + 64 <= dim; d += 64) accumulate_tile<8>(w, values + t0 * dim + d, count, dim, sums + d);
-      for (; d < dim; d += 8) accumulate_tile<1>(w, values + t0 * dim + d, count, dim, sums + d);
     }
+    const float* block_values = values + t0 * dim;
+    float* sums = rows.sums.data();
+    int64_t r = 0;
+    for (; r + 3 <= n; r += 3) accumulate_rows<3>(block + r * kSlotBlock, block_values, count, dim, sums + r * dim);
+    if (n - r == 2) accumulate_rows<2>(block + r * kSlotBlock, block_values, count, dim, sums + r * dim);
+    if (n - r == 1) accumulate_rows<1>(block + r * kSlotBlock, block_values, count, dim, sums + r * dim);
   }
   for (int64_t r = 0; r < n; ++r) {
     const __m256 inverse = _mm256_set1_ps(1.0f / sum_avx2(_mm256_loadu_ps(totals8 + r * 8)));
@@ -333,14 +370,14 @@ void attend_rows(Rows& rows, const float* keys, const float* values, int64_t slo
   }
 }
 
-// Task (b, kvh, block): up to kRowsPerTask query rows of one KV head against every slot of that head.
+// Task (b, kvh, block): up to j.task_rows query rows of one KV head against every slot of that head.
 void rows_task(void* data, size_t task) {
   const Job& j = *static_cast<const Job*>(data);
   const int64_t block = static_cast<int64_t>(task) % j.row_blocks;
   const int64_t kvh = static_cast<int64_t>(task) / j.row_blocks % j.KVH;
   const int64_t b = static_cast<int64_t>(task) / (j.row_blocks * j.KVH);
-  const int64_t group = j.H / j.KVH, first = block * kRowsPerTask;
-  const int64_t last = first + kRowsPerTask < group * j.S ? first + kRowsPerTask : group * j.S;
+  const int64_t group = j.H / j.KVH, first = block * j.task_rows;
+  const int64_t last = first + j.task_rows < group * j.S ? first + j.task_rows : group * j.S;
   thread_local Rows rows;
   rows.count = last - first;
   const size_t n = static_cast<size_t>(rows.count);
@@ -483,7 +520,9 @@ OrtStatus* Attention::compute(OrtKernelContext* context) const {
     for (size_t task = 0; task < kv_tasks; ++task) append_task(&j, task);
     return nullptr;
   }
-  j.row_blocks = (j.H / j.KVH * j.S + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t head_rows = j.H / j.KVH * j.S;
+  j.task_rows = head_rows >= 4 * kRowsPerLongTask ? kRowsPerLongTask : kRowsPerTask;
+  j.row_blocks = (head_rows + j.task_rows - 1) / j.task_rows;
   const size_t row_tasks = static_cast<size_t>(j.B * j.KVH * j.row_blocks);
   if (j.B * j.H * j.S * j.T * j.D < kInlineWork) {
     for (size_t task = 0; task < kv_tasks; ++task) append_task(&j, task);
