@@ -288,9 +288,9 @@ __attribute__((target("avx2,fma"))) inline float block_max(const float* w, int64
 
 // The task's rows against slots [0, T) of one KV head (D a multiple of 8), block by block of kSlotBlock slots: the
 // scores of every row (kept block by block, [block][row][kSlotBlock], so a block's are contiguous) and each row's
-// maximum; then per block and row the softmax numerators (8 lanes by slot, the lanes past T exact zeros), their
-// running 8-lane sum and the weighted values. Each row's arithmetic is the same whatever the block, the rows beside
-// it, T or the thread: a window's row is the bits of the row alone.
+// maximum; then per block every row's softmax numerators (8 lanes by slot, the lanes past T exact zeros) and their
+// running 8-lane sum, then the weighted values three rows a tile. Each row's arithmetic is the same whatever the
+// block, the rows beside it, T or the thread: a window's row is the bits of the row alone.
 __attribute__((target("avx2,fma"))) void attend_rows_avx2(Rows& rows, const float* keys, const float* values,
                                                           int64_t slots, int64_t dim, float scale) {
   const int64_t n = rows.count, block_floats = n * kSlotBlock;
