@@ -16,6 +16,8 @@ from onnx import TensorProto, helper
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_op_bench import D, H, KVH, op_feeds  # noqa: E402
 
+from mirrorsd.devices.backends import SPINNING_POOL  # noqa: E402
+
 LIBS = {"before": sys.argv[1], "after": sys.argv[2]}
 THREADS = int(sys.argv[3]) if len(sys.argv) > 3 else 2
 NAMES = ["q", "k", "v", "cos", "sin", "mask"] + [f"key{h}" for h in range(KVH)] + [f"value{h}" for h in range(KVH)]
@@ -30,6 +32,8 @@ def session(library: str):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("mirrorsd.kern", 1)])
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = THREADS
+    for key, value in SPINNING_POOL:  # spin within a run, as the runtime's pools do; left spinning after a run (ONNX
+        opts.add_session_config_entry(key, value)  # Runtime's default), one build's threads slowed the other's calls
     opts.register_custom_ops_library(library)
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 

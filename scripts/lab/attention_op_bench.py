@@ -12,6 +12,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from mirrorsd.devices import kernels
+from mirrorsd.devices.backends import SPINNING_POOL
 
 H, KVH, D = 12, 2, 128
 THREADS = int(sys.argv[1]) if len(sys.argv) > 1 and __name__ == "__main__" else 2
@@ -24,6 +25,8 @@ def session(nodes, inputs, opsets, register):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = THREADS
+    for key, value in SPINNING_POOL:  # as the runtime's pools: spin within a run only (see attention_lib_ab.py)
+        opts.add_session_config_entry(key, value)
     if register:
         kernels.register(opts, allow_slow=True)
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])

@@ -44,12 +44,14 @@ enum AttentionInput : size_t { kQ, kK, kV, kCos, kSin, kMask, kPastK, kPastV, kA
 constexpr size_t kAttentionOutputs = 3;
 constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kInlineWork = 64 * 1024;  // multiply-adds below which the calling thread does it all
-constexpr int64_t kRowsPerTask = 24;      // query rows of one KV head per task (a decoding step's are one task)
+constexpr int64_t kRowsPerTask = 32;      // query rows of one KV head per task (a decoding step's are one task)
 constexpr int64_t kRowsPerLongTask = 96;  // ... in a call with at least 4 such tasks per KV head (prompt chunks): each
                                           // task streams its head's keys and values once, so fewer, longer tasks
                                           // read the cache fewer times (which rows share a task never changes a
                                           // row's bits)
 constexpr int64_t kSlotBlock = 32;        // slots whose keys (then values) every row of a task reads from L1
+constexpr int64_t kPrefetchBlocks = 4;    // how many blocks ahead of the one being read the tiles prefetch, in tasks
+constexpr int64_t kPrefetchRows = 9;      // of up to this many rows (see Prefetch; no effect on results)
 
 #define ATTENTION_RETURN_IF(expr) \
   do {                            \
@@ -157,6 +159,32 @@ struct Rows {
 };
 
 #ifdef MIRRORSD_ATTENTION_AVX2
+// The cache lines of the block kPrefetchBlocks ahead, requested a few at a time from the tiles' inner loops. A task
+// reads a block's keys (then its values) from memory with its first rows and from L1 with the rest, so the hardware
+// prefetcher, which runs only a little ahead of demand loads, idles while the later rows compute: on a 2-core AMD EPYC
+// (Zen 3) one KV head of a one-row step at 4096 cached tokens read its cache at ~7.5 GB/s, a plain read of the same
+// buffers at ~15. Spread over the block's tiles, the requests keep memory busy during that compute (one-row calls
+// 0.71-0.83 of the time at 300-8192 cached slots, the target's one-row step at 4096 -8 %: docs/lab-notes/
+// performance-log.md, "prefetching the cache"); all of a block's lines requested at its start were no faster (they
+// overflow the core's outstanding misses), and tasks of many rows ran slower with it (attend_rows_avx2<false>).
+struct Prefetch {
+  const char* next = nullptr;
+  int64_t left = 0;      // lines still to request
+  int64_t per_step = 0;  // lines per step()
+
+  // The lines of slots [first, first + kSlotBlock) (fewer past `slots`) of `rows` ([slots][dim] floats), in `steps`
+  // calls of step(); nothing where the block lies past the end.
+  void start(const float* rows, int64_t first, int64_t slots, int64_t dim, int64_t steps) {
+    const int64_t count = slots - first < kSlotBlock ? slots - first : kSlotBlock;
+    left = count > 0 ? (count * dim * static_cast<int64_t>(sizeof(float)) + 63) / 64 : 0;
+    next = left ? reinterpret_cast<const char*>(rows + first * dim) : nullptr;
+    per_step = steps > 0 ? (left + steps - 1) / steps : left;
+  }
+  void step() {
+    for (int64_t i = 0; i < per_step && left > 0; ++i, --left, next += 64) _mm_prefetch(next, _MM_HINT_T0);
+  }
+};
+
 // exp(x) for x <= 0 (softmax arguments), 8 at a time: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6
 // polynomial (relative error ~2e-7); below -87 the result is 0, as exp's is in float32 after rounding.
 __attribute__((target("avx2,fma"))) __m256 exp_avx2(__m256 x) {
@@ -225,15 +253,17 @@ __attribute__((target("avx2,fma"))) inline void score_tile(const float* queries,
 }
 
 // Rows [r, r + ROWS) against slots [t0, t1) into their segments of the block's scores (row i at block + i * 32):
-// four slots a tile, then one at a time.
-template <int ROWS>
+// four slots a tile, then one at a time; a step of `ahead` before each four.
+template <int ROWS, bool PREFETCH>
 __attribute__((target("avx2,fma"))) inline void score_rows(const float* queries, const float* keys, int64_t dim,
                                                            float scale, const float* const* masks, int64_t r,
-                                                           int64_t t0, int64_t t1, float* block) {
+                                                           int64_t t0, int64_t t1, float* block, Prefetch& ahead) {
   int64_t t = t0;
-  for (; t + 4 <= t1; t += 4)
+  for (; t + 4 <= t1; t += 4) {
+    if (PREFETCH) ahead.step();
     score_tile<ROWS, 4>(queries + r * dim, keys + t * dim, dim, scale, masks + r, t, block + r * kSlotBlock + t - t0,
                         kSlotBlock);
+  }
   for (; t < t1; ++t)
     score_tile<ROWS, 1>(queries + r * dim, keys + t * dim, dim, scale, masks + r, t, block + r * kSlotBlock + t - t0,
                         kSlotBlock);
@@ -241,14 +271,16 @@ __attribute__((target("avx2,fma"))) inline void score_rows(const float* queries,
 
 // ROWS rows' sums[.., CHUNKS * 8) += weights[u] * values[u] for u in [0, count) (row r's weights at weights + r *
 // kSlotBlock, its sums at sums + r * dim): each lane one chain in slot order, whatever rows share the tile (a row
-// alone gets the same bits); the rows share each loaded vector of values.
-template <int ROWS, int CHUNKS>
+// alone gets the same bits); the rows share each loaded vector of values. A step of `ahead` per slot.
+template <int ROWS, int CHUNKS, bool PREFETCH>
 __attribute__((target("avx2,fma"))) inline void accumulate_tile(const float* weights, const float* values,
-                                                                int64_t count, int64_t dim, float* sums) {
+                                                                int64_t count, int64_t dim, float* sums,
+                                                                Prefetch& ahead) {
   __m256 acc[ROWS][CHUNKS];
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < CHUNKS; ++c) acc[r][c] = _mm256_loadu_ps(sums + r * dim + c * 8);
   for (int64_t u = 0; u < count; ++u) {
+    if (PREFETCH) ahead.step();
     __m256 w[ROWS];
     for (int r = 0; r < ROWS; ++r) w[r] = _mm256_set1_ps(weights[r * kSlotBlock + u]);
     const float* value = values + u * dim;
@@ -262,12 +294,13 @@ __attribute__((target("avx2,fma"))) inline void accumulate_tile(const float* wei
 }
 
 // Rows [r, r + ROWS) of a block's weights against its values, 32 dims a tile, then 8.
-template <int ROWS>
+template <int ROWS, bool PREFETCH>
 __attribute__((target("avx2,fma"))) inline void accumulate_rows(const float* block, const float* values,
-                                                                int64_t count, int64_t dim, float* sums) {
+                                                                int64_t count, int64_t dim, float* sums,
+                                                                Prefetch& ahead) {
   int64_t d = 0;
-  for (; d + 32 <= dim; d += 32) accumulate_tile<ROWS, 4>(block, values + d, count, dim, sums + d);
-  for (; d < dim; d += 8) accumulate_tile<ROWS, 1>(block, values + d, count, dim, sums + d);
+  for (; d + 32 <= dim; d += 32) accumulate_tile<ROWS, 4, PREFETCH>(block, values + d, count, dim, sums + d, ahead);
+  for (; d < dim; d += 8) accumulate_tile<ROWS, 1, PREFETCH>(block, values + d, count, dim, sums + d, ahead);
 }
 
 // The largest of top and w[0, count), in registers (a maximum is exact in any order).
@@ -291,6 +324,7 @@ __attribute__((target("avx2,fma"))) inline float block_max(const float* w, int64
 // maximum; then per block every row's softmax numerators (8 lanes by slot, the lanes past T exact zeros) and their
 // running 8-lane sum, then the weighted values three rows a tile. Each row's arithmetic is the same whatever the
 // block, the rows beside it, T or the thread: a window's row is the bits of the row alone.
+template <bool PREFETCH>
 __attribute__((target("avx2,fma"))) void attend_rows_avx2(Rows& rows, const float* keys, const float* values,
                                                           int64_t slots, int64_t dim, float scale) {
   const int64_t n = rows.count, block_floats = n * kSlotBlock;
@@ -299,13 +333,16 @@ __attribute__((target("avx2,fma"))) void attend_rows_avx2(Rows& rows, const floa
   float* weights = rows.weights.data();
   float* tops = rows.tops.data();
   std::fill(tops, tops + n, -INFINITY);
+  const int64_t row_tiles = (n + 2) / 3;  // tiles of up to three rows per block
+  Prefetch ahead;
   for (int64_t t0 = 0; t0 < slots; t0 += kSlotBlock) {
     const int64_t t1 = t0 + kSlotBlock < slots ? t0 + kSlotBlock : slots;
     float* block = weights + t0 / kSlotBlock * block_floats;
+    if (PREFETCH) ahead.start(keys, t0 + kPrefetchBlocks * kSlotBlock, slots, dim, row_tiles * (kSlotBlock / 4));
     int64_t r = 0;
-    for (; r + 3 <= n; r += 3) score_rows<3>(queries, keys, dim, scale, masks, r, t0, t1, block);
-    if (n - r == 2) score_rows<2>(queries, keys, dim, scale, masks, r, t0, t1, block);
-    if (n - r == 1) score_rows<1>(queries, keys, dim, scale, masks, r, t0, t1, block);
+    for (; r + 3 <= n; r += 3) score_rows<3, PREFETCH>(queries, keys, dim, scale, masks, r, t0, t1, block, ahead);
+    if (n - r == 2) score_rows<2, PREFETCH>(queries, keys, dim, scale, masks, r, t0, t1, block, ahead);
+    if (n - r == 1) score_rows<1, PREFETCH>(queries, keys, dim, scale, masks, r, t0, t1, block, ahead);
     for (r = 0; r < n; ++r) tops[r] = block_max(block + r * kSlotBlock, t1 - t0, tops[r]);
   }
   float* totals8 = rows.totals8.data();
@@ -328,10 +365,15 @@ __attribute__((target("avx2,fma"))) void attend_rows_avx2(Rows& rows, const floa
     }
     const float* block_values = values + t0 * dim;
     float* sums = rows.sums.data();
+    if (PREFETCH)
+      ahead.start(values, t0 + kPrefetchBlocks * kSlotBlock, slots, dim, row_tiles * (dim / 32 + dim % 32 / 8) * count);
     int64_t r = 0;
-    for (; r + 3 <= n; r += 3) accumulate_rows<3>(block + r * kSlotBlock, block_values, count, dim, sums + r * dim);
-    if (n - r == 2) accumulate_rows<2>(block + r * kSlotBlock, block_values, count, dim, sums + r * dim);
-    if (n - r == 1) accumulate_rows<1>(block + r * kSlotBlock, block_values, count, dim, sums + r * dim);
+    for (; r + 3 <= n; r += 3)
+      accumulate_rows<3, PREFETCH>(block + r * kSlotBlock, block_values, count, dim, sums + r * dim, ahead);
+    if (n - r == 2)
+      accumulate_rows<2, PREFETCH>(block + r * kSlotBlock, block_values, count, dim, sums + r * dim, ahead);
+    if (n - r == 1)
+      accumulate_rows<1, PREFETCH>(block + r * kSlotBlock, block_values, count, dim, sums + r * dim, ahead);
   }
   for (int64_t r = 0; r < n; ++r) {
     const __m256 inverse = _mm256_set1_ps(1.0f / sum_avx2(_mm256_loadu_ps(totals8 + r * 8)));
@@ -399,7 +441,12 @@ void rows_task(void* data, size_t task) {
   const float* keys = j.keys[kvh] + b * j.kv_stride;
   const float* values = j.values[kvh] + b * j.kv_stride;
 #ifdef MIRRORSD_ATTENTION_AVX2
-  if (kHasAvx2 && j.D % 8 == 0) return attend_rows_avx2(rows, keys, values, j.T, j.D, j.scale);
+  if (kHasAvx2 && j.D % 8 == 0) {
+    // a task of a few rows (a decoding step's query heads of one KV head) prefetches; longer ones compute long enough
+    // per block for the hardware prefetcher, and the lines requested ahead evicted the block they read from L1
+    if (rows.count <= kPrefetchRows) return attend_rows_avx2<true>(rows, keys, values, j.T, j.D, j.scale);
+    return attend_rows_avx2<false>(rows, keys, values, j.T, j.D, j.scale);
+  }
 #endif
   attend_rows(rows, keys, values, j.T, j.D, j.scale);
 }
