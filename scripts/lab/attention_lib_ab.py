@@ -1,9 +1,14 @@
-"""Two builds of mirrorsd's kernels library, InPlaceAttention alone in each, alternated in one process: best of 6
-rounds per (rows, cached slots) shape of the Qwen2.5-Coder-1.5B target (12 query heads, 2 KV heads, head size 128),
-and whether the two give the same bits. Build each variant with `python -m mirrorsd.devices.kernels` (it prints the
-library's path; the cache keeps one per source hash).
+"""Two builds of mirrorsd's kernels library, InPlaceAttention alone in each, alternated in one process, per (rows,
+cached slots) shape of the Qwen2.5-Coder-1.5B target (12 query heads, 2 KV heads, head size 128): ms per call (best
+of 6 rounds), and whether the two give the same bits. Build each variant with `python -m mirrorsd.devices.kernels`
+(it prints the library's path; the cache keeps one per source hash).
 
-    python scripts/lab/attention_lib_ab.py BEFORE.so AFTER.so [THREADS]
+    python scripts/lab/attention_lib_ab.py BEFORE.so AFTER.so [THREADS (2)] [LAYERS (1)] [SHAPES]
+
+LAYERS > 1 gives each shape that many layers' worth of distinct buffers, called in turn, so the cache is read from
+memory as in a decoding step (with one, a shape's 16 MB at 8192 slots stays in a 32 MB L3): then ms per layer, the
+median of 11 rounds whose build order alternates. SHAPES: ROWSxSLOTS[,...] (default 1x8192,5x8192,1x1000,5x1000,
+256x8192,256x0).
 """
 import sys
 import time
@@ -20,6 +25,8 @@ from mirrorsd.devices.backends import SPINNING_POOL  # noqa: E402
 
 LIBS = {"before": sys.argv[1], "after": sys.argv[2]}
 THREADS = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+LAYERS = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+SHAPES = sys.argv[5] if len(sys.argv) > 5 else "1x8192,5x8192,1x1000,5x1000,256x8192,256x0"
 NAMES = ["q", "k", "v", "cos", "sin", "mask"] + [f"key{h}" for h in range(KVH)] + [f"value{h}" for h in range(KVH)]
 
 
@@ -39,19 +46,26 @@ def session(library: str):
 
 
 rng = np.random.default_rng(0)
-for rows, past in [(1, 8192), (5, 8192), (1, 1000), (5, 1000), (256, 8192), (256, 0)]:
-    feeds = op_feeds(rng, rows, past)
-    sessions = {name: session(path) for name, path in LIBS.items()}
-    calls = 2 if rows > 100 else 20
-    best = {name: float("inf") for name in sessions}
-    for _ in range(6):
-        for name, sess in sessions.items():
-            sess.run(None, feeds)
+sessions = {name: session(path) for name, path in LIBS.items()}
+for rows, past in [tuple(int(n) for n in shape.split("x")) for shape in SHAPES.split(",")]:
+    if LAYERS == 1:
+        feeds = [op_feeds(rng, rows, past)]
+        calls, rounds = (2 if rows > 100 else 20), 6
+    else:
+        feeds = [op_feeds(rng, rows, past) for _ in range(LAYERS if rows < 100 else min(LAYERS, 4))]
+        calls, rounds = 1, 11
+    times = {name: [] for name in sessions}
+    for i in range(rounds):
+        for name in list(sessions) if i % 2 == 0 else list(sessions)[::-1]:
+            if LAYERS == 1:
+                sessions[name].run(None, feeds[0])
             start = time.perf_counter()
             for _ in range(calls):
-                sess.run(None, feeds)
-            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+                for f in feeds:
+                    sessions[name].run(None, f)
+            times[name].append((time.perf_counter() - start) / (calls * len(feeds)))
+    took = {n: min(t) if LAYERS == 1 else sorted(t)[len(t) // 2] for n, t in times.items()}
     # the views are written in place: both ran on the same feeds, so their outputs compare
-    outputs = [sess.run(None, feeds)[0] for sess in sessions.values()]
-    print(f"rows {rows:3d} after {past:5d} slots: " + "  ".join(f"{n} {v * 1e3:7.2f} ms" for n, v in best.items())
-          + f"  same bits {bool(np.array_equal(*outputs))}", flush=True)
+    outputs = [sess.run(None, feeds[0])[0] for sess in sessions.values()]
+    print(f"rows {rows:3d} after {past:5d} slots: " + "  ".join(f"{n} {v * 1e3:7.3f} ms" for n, v in took.items())
+          + f"  ratio {took['after'] / took['before']:.3f}  same bits {bool(np.array_equal(*outputs))}", flush=True)

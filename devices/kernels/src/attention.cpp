@@ -164,8 +164,8 @@ struct Rows {
 // prefetcher, which runs only a little ahead of demand loads, idles while the later rows compute: on a 2-core AMD EPYC
 // (Zen 3) one KV head of a one-row step at 4096 cached tokens read its cache at ~7.5 GB/s, a plain read of the same
 // buffers at ~15. Spread over the block's tiles, the requests keep memory busy during that compute (one-row calls
-// 0.71-0.83 of the time at 300-8192 cached slots, the target's one-row step at 4096 -8 %: docs/lab-notes/
-// performance-log.md, "prefetching the cache"); all of a block's lines requested at its start were no faster (they
+// 0.79 of the time at 4096 cached slots, the target's one-row step there -8 %: docs/lab-notes/performance-log.md,
+// "the cache prefetched in one-row attention"); all of a block's lines requested at its start were no faster (they
 // overflow the core's outstanding misses), and tasks of many rows ran slower with it (attend_rows_avx2<false>).
 struct Prefetch {
   const char* next = nullptr;
