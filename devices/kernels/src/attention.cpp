@@ -51,7 +51,7 @@ constexpr int64_t kRowsPerLongTask = 96;  // ... in a call with at least 4 such 
                                           // row's bits)
 constexpr int64_t kSlotBlock = 32;        // slots whose keys (then values) every row of a task reads from L1
 constexpr int64_t kPrefetchBlocks = 4;    // how many blocks ahead of the one being read the tiles prefetch, in tasks
-constexpr int64_t kPrefetchRows = 9;      // of up to this many rows (see Prefetch; no effect on results)
+                                          // of kRowsPerTask rows at most (see Prefetch; no effect on results)
 
 #define ATTENTION_RETURN_IF(expr) \
   do {                            \
@@ -166,7 +166,8 @@ struct Rows {
 // buffers at ~15. Spread over the block's tiles, the requests keep memory busy during that compute (one-row calls
 // 0.79 of the time at 4096 cached slots, the target's one-row step there -8 %: docs/lab-notes/performance-log.md,
 // "the cache prefetched in one-row attention"); all of a block's lines requested at its start were no faster (they
-// overflow the core's outstanding misses), and tasks of many rows ran slower with it (attend_rows_avx2<false>).
+// overflow the core's outstanding misses). The long tasks of prompt chunks were no faster with it, and a branch per
+// slot cost them 7-12 %: they run the loop without it (attend_rows_avx2<false>).
 struct Prefetch {
   const char* next = nullptr;
   int64_t left = 0;      // lines still to request
@@ -442,9 +443,8 @@ void rows_task(void* data, size_t task) {
   const float* values = j.values[kvh] + b * j.kv_stride;
 #ifdef MIRRORSD_ATTENTION_AVX2
   if (kHasAvx2 && j.D % 8 == 0) {
-    // a task of a few rows (a decoding step's query heads of one KV head) prefetches; longer ones compute long enough
-    // per block for the hardware prefetcher, and the lines requested ahead evicted the block they read from L1
-    if (rows.count <= kPrefetchRows) return attend_rows_avx2<true>(rows, keys, values, j.T, j.D, j.scale);
+    // decoding steps and windows prefetch; the long tasks of prompt chunks compute long enough per block without
+    if (rows.count <= kRowsPerTask) return attend_rows_avx2<true>(rows, keys, values, j.T, j.D, j.scale);
     return attend_rows_avx2<false>(rows, keys, values, j.T, j.D, j.scale);
   }
 #endif
