@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 CHILD = r'''
-import dataclasses, json, sys, time
+import dataclasses, json, statistics, sys, time
 from pathlib import Path
 import mirrorsd.devices.kernels as kernels
 default = kernels.library
