@@ -105,7 +105,12 @@ class SessionSettings:
     shared_pool: bool = False  # ONNX Runtime: the process's one spinning pool (devices/thread_pool.py)
     spin_in_run: bool = False  # ONNX Runtime, a pool of its own: SPINNING_POOL, else SLEEPING_POOL (see above)
     fuse_attention: bool = False  # with mirrorsd's kernels: each layer's attention as one fused node, where it fits
-    kv_in_place: bool = False  # with mirrorsd's kernels: the KV cache written in place (devices/kernels/kv_in_place.py)
+    # with mirrorsd's kernels: the KV cache written in place (devices/kernels/kv_in_place.py); with fuse_attention
+    # too, in place where the graph's layers take it, else fused
+    kv_in_place: bool = False
+    # with mirrorsd's kernels: this output (the LM head's logits) computed from row ``logits_from`` on, an input the
+    # rewrite adds (devices/kernels/logits_rows.py); empty: the graph as exported
+    logits_output: str = ""
 
 
 class BackendSession(Protocol):
@@ -181,6 +186,7 @@ class OrtSession:
             opts.enable_mem_pattern = False  # DirectML's documented requirement
         self.kernels, self.fused_attention = "ort", 0
         self.kv_in_place: list = []  # the layers whose cache the host feeds as views (devices/kernels/kv_in_place.py)
+        self.logits_rows = False  # the graph takes logits_from (devices/kernels/logits_rows.py)
         unpacked = unpacked_for_session(path, opts)
         model: str | bytes = str(path) if unpacked is None else unpacked
         if settings.kernels == "mirrorsd" and provider == "CPUExecutionProvider":
@@ -192,10 +198,13 @@ class OrtSession:
             if imports_ort_domain(path):
                 kernels.register(opts, replace=True)  # every com.microsoft MatMulNBits node runs mirrorsd's kernel
                 self.kernels = "mirrorsd"
-                if settings.fuse_attention:
-                    model = self._fused(path, opts, unpacked)
-                elif settings.kv_in_place:
+                if settings.kv_in_place:  # (the draft asks for both: in place where its layers take it)
                     model = self._in_place(path, opts, unpacked)
+                if settings.fuse_attention and not self.kv_in_place:
+                    model = self._fused(path, opts, unpacked)
+                if settings.logits_output:
+                    model = self._logits_rows(path, opts, model if isinstance(model, bytes) else None,
+                                              settings.logits_output)
         self._open(lambda: ort.InferenceSession(model, opts, providers=providers), path)
 
     def _fused(self, path: Path, opts, unpacked: bytes | None = None) -> str | bytes:
@@ -214,6 +223,15 @@ class OrtSession:
         from mirrorsd.devices.kernels.kv_in_place import kv_in_place
 
         model, self.kv_in_place = self._rewritten(path, opts, unpacked, kv_in_place, [])
+        return model
+
+    def _logits_rows(self, path: Path, opts, current: bytes | None, logits: str) -> str | bytes:
+        """The graph (``current``'s bytes, else the file's) with its ``logits`` output scored from row
+        ``logits_from`` on (devices/kernels/logits_rows.py), or unchanged when its head is not one MatMulNBits."""
+        from mirrorsd.devices.kernels.logits_rows import logits_from_input
+
+        model, self.logits_rows = self._rewritten(path, opts, current, lambda m: logits_from_input(m, logits),
+                                                  False)
         return model
 
     @staticmethod

@@ -99,6 +99,16 @@ class DeviceRequest:
     # (devices/kernels/README.md). False runs the graphs' own nodes, as the C/C++ host does (the two then give the
     # same tokens)
     target_kv_in_place: bool = True
+    # Likewise for the draft (ONNX Runtime CPU with mirrorsd's kernels): its cache written in place, each layer's
+    # attention one InPlaceAttention node, in place of the fused node above, which reads the past the host feeds
+    # and writes it out again as the presents every forward (one-row forwards of the 0.5B draft 0.88x / 0.78x /
+    # 0.66x at 300 / 1000 / 2000 cached tokens, the same logits; devices/kernels/README.md). Not beside a
+    # streaming draft graph, which shares the plain graph's cache and keeps the exported form
+    draft_kv_in_place: bool = True
+    # Where mirrorsd's kernels run the draft and the target's suffix (ONNX Runtime CPU), a prompt chunk scores its
+    # last row only instead of all 256 (devices/kernels/logits_rows.py: the LM head is ~15 % of a target row's and
+    # ~27 % of a draft row's work, and the other rows' logits were never read). The same bits for the rows used
+    prompt_last_row_only: bool = True
     # Mode auto: take the placement (of the models left on auto) and the thread split (when no threads are given)
     # that the cached profiles predict fastest (runtime/planner/placement.py, runtime/planner/threads.py)
     plan_from_profile: bool = False
@@ -371,11 +381,12 @@ class Placement:
 
 
 def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, decision: Decision | None = None,
-               kv=None, kernels: str = "ort"):
+               kv=None, kernels: str = "ort", logits: str = ""):
     """Open one graph for ``model`` as decided (or as the request says); returns (backend session, Placement).
 
     ``kv`` (the graph's KVSpec) names its past/present pairs, which a stateful OpenVINO session turns into state.
-    ``kernels`` (Plan.kernels) is whose MatMulNBits kernel an ONNX Runtime CPU session runs.
+    ``kernels`` (Plan.kernels) is whose MatMulNBits kernel an ONNX Runtime CPU session runs. ``logits``: the graph's
+    LM-head output, whose rows a prompt chunk may cut to its last (request.prompt_last_row_only); empty: none.
 
     After opening, what really runs the graph is compared with the choice: ONNX Runtime moves a graph to its CPU
     provider silently when the accelerator cannot take it. An explicit device then fails; ``auto`` records it.
@@ -397,7 +408,9 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
                                choice.backend == "openvino", openvino=tuning, kv_pairs=kv_pairs(kv), kernels=kernels,
                                shared_pool=shared, spin_in_run=spinning and not shared,
                                fuse_attention=model == "draft" and request.fused_draft_attention,
-                               kv_in_place=model == "target" and request.target_kv_in_place)
+                               kv_in_place=request.target_kv_in_place if model == "target"
+                               else request.draft_kv_in_place,
+                               logits_output=logits if request.prompt_last_row_only else "")
     session = BACKENDS[choice.backend](path, settings)
     fell_back, reason = decision.fell_back, decision.reason
     lost = _lost_device(choice, session.effective)

@@ -10,11 +10,13 @@ from typing import Callable
 import numpy as np
 
 from mirrorsd import names
+from mirrorsd.devices.kernels.logits_rows import LOGITS_FROM
 from mirrorsd.runtime.kv_cache import KVCache
 from mirrorsd.runtime.limits import check_finite
 from mirrorsd.runtime.session import GraphSession
 from mirrorsd.runtime.state_cache import target_cache
 from mirrorsd.runtime.verify import candidate_logprobs, exit_candidates
+from mirrorsd.runtime.view_cache import ViewCache
 
 ExitCallback = Callable[[np.ndarray, np.ndarray], None]  # (topk_ids [S, k], topk_logprobs [S, k])
 # A prompt longer than one chunk reports before its first chunk and after each: (model "target" or "draft", tokens
@@ -45,8 +47,14 @@ def report(callback: PrefillCallback | None, model: str, read: int, total: int, 
         callback(model, min(read, total), total)
 
 
+def logits_from_feed(session: GraphSession, first: int) -> dict[str, np.ndarray]:
+    """The ``logits_from`` input of a graph rewritten to take it (devices/kernels/logits_rows.py): its LM head scores
+    rows ``first`` on; nothing for a graph as exported, which scores every row."""
+    return {LOGITS_FROM: np.array([first], np.int64)} if session.logits_from else {}
+
+
 def cache_feeds(cache, new: int) -> dict[str, np.ndarray]:
-    """What a target graph's cache feeds for a call adding ``new`` slots: a view cache's views span them
+    """What a graph's cache feeds for a call adding ``new`` slots: a view cache's views span them
     (runtime/view_cache.py), every other cache feeds its past."""
     step_feeds = getattr(cache, "step_feeds", None)
     return step_feeds(new) if step_feeds is not None else cache.past_feeds()
@@ -99,7 +107,8 @@ class TargetModel:
         hidden, logits = self._forward(*single_row_inputs(tokens, self.length), None)
         return hidden[0], logits[0]
 
-    def _forward(self, ids, mask, positions, on_exit) -> tuple[np.ndarray, np.ndarray]:
+    def _forward(self, ids, mask, positions, on_exit, logits_from: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(hidden [B, S, H], logits [B, S, vocab]; rows from ``logits_from`` on where the suffix graph takes it)."""
         new = ids.shape[1]
         feeds = {self.prefix.first_input: ids, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
         feeds.update(cache_feeds(self.prefix_cache, new))
@@ -110,6 +119,7 @@ class TargetModel:
             on_exit(*self._exit_message(hidden, getattr(on_exit, "draft_top", None)))
         feeds = {self.suffix.first_input: hidden, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
         feeds.update(cache_feeds(self.suffix_cache, new))
+        feeds.update(logits_from_feed(self.suffix, logits_from))
         out = self.suffix.run(feeds)
         self.suffix_cache.append_presents(out, new)
         return hidden, check_finite(out[self._logits_name])
@@ -137,7 +147,9 @@ class TargetModel:
         logits = None
         report(self.on_prefill, "target", 0, len(tokens), chunk)  # a bar's clock starts with the first chunk
         for start in range(0, len(tokens), chunk):
-            logits = self.extend(tokens[start:start + chunk])  # [<= chunk, vocab]
+            part = tokens[start:start + chunk]
+            # only the last row's logits are used: a graph that can scores that row alone ([1 or S, vocab])
+            logits = self._forward(*single_row_inputs(part, self.length), None, len(part) - 1)[1][0]
             report(self.on_prefill, "target", start + chunk, len(tokens), chunk)
         if logits is None:
             raise ValueError("prefill needs at least one token")
@@ -149,7 +161,7 @@ class DraftModel:
 
     def __init__(self, session: GraphSession) -> None:
         self.session = session
-        self.cache = KVCache(session.spec.kv)
+        self.cache = draft_cache(session)
         self.cache_tokens: list[int] = []  # the tokens whose KV fills cache slots [0, length)
         self._agreed = 0  # cache_tokens[:_agreed] is known to be committed (committed text never changes)
         self._logits_name = session.output_names[0]
@@ -158,17 +170,21 @@ class DraftModel:
         self.on_prefill: PrefillCallback | None = None  # progress of a long prompt (mirrorsd generate's bar)
 
     def reset(self, capacity: int = 64) -> None:
-        self.cache = KVCache(self.session.spec.kv, 1, capacity)
+        self.cache = draft_cache(self.session, capacity)
         self.cache_tokens = []
         self._agreed = 0
 
-    def forward(self, cache: KVCache, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """ids [B, S] -> logits [B, S, vocab]; appends S slots to ``cache``."""
+    def forward(self, cache: KVCache | ViewCache, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
+                logits_from: int = 0) -> np.ndarray:
+        """ids [B, S] -> logits [B, S, vocab] (rows from ``logits_from`` on where the graph takes it: a prompt's
+        chunk, whose logits are not read); appends S slots to ``cache``."""
         feeds = {self.session.first_input: ids, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
-        feeds.update(cache.past_feeds())
+        feeds.update(cache_feeds(cache, ids.shape[1]))
+        feeds.update(logits_from_feed(self.session, logits_from))
         out = self.session.run(feeds)
         logits = out[self._logits_name]
-        if logits.ndim != 3 or logits.shape[:2] != ids.shape or self._vocab not in (None, logits.shape[2]):
+        rows = ids.shape[1] - logits_from if self.session.logits_from else ids.shape[1]
+        if logits.ndim != 3 or logits.shape[:2] != (ids.shape[0], rows) or self._vocab not in (None, logits.shape[2]):
             raise ValueError(f"draft returned logits of shape {logits.shape} for inputs {ids.shape}")
         cache.append_presents(out, ids.shape[1])
         return logits
@@ -184,10 +200,11 @@ class DraftModel:
         del self.cache_tokens[keep:]
         return committed[keep:]
 
-    def extend(self, tokens: list[int]) -> np.ndarray:
-        """Feed ``tokens`` to the main cache; logits [S, vocab]."""
+    def extend(self, tokens: list[int], last_only: bool = False) -> np.ndarray:
+        """Feed ``tokens`` to the main cache; logits [S, vocab] (``last_only``: the last row's, [1, vocab], where the
+        graph can score it alone)."""
         ids, mask, positions = single_row_inputs(tokens, self.cache.length)
-        logits = self.forward(self.cache, ids, mask, positions)[0]
+        logits = self.forward(self.cache, ids, mask, positions, len(tokens) - 1 if last_only else 0)[0]
         self.cache_tokens.extend(int(t) for t in tokens)
         return logits
 
@@ -196,7 +213,7 @@ class DraftModel:
         chunk = chunk or PREFILL_CHUNK
         report(self.on_prefill, "draft", 0, len(tokens), chunk)
         for start in range(0, len(tokens), chunk):
-            self.extend(tokens[start:start + chunk])
+            self.extend(tokens[start:start + chunk], last_only=True)
             report(self.on_prefill, "draft", start + chunk, len(tokens), chunk)
 
     def keep_prefix(self, tokens: list[int]) -> int:
@@ -222,6 +239,13 @@ class DraftModel:
         del self.cache_tokens[start:]
         self.cache_tokens.extend(tokens)
         self._agreed = min(self._agreed, start)
+
+
+def draft_cache(session: GraphSession, capacity: int = 64) -> KVCache | ViewCache:
+    """An empty one-row cache for the draft's graph: buffers it writes in place when its session was rewritten so
+    (runtime/view_cache.py), else buffers the graph's presents are copied into (KVCache)."""
+    layers = getattr(session.backend, "kv_in_place", None)
+    return ViewCache(layers, 1, capacity) if layers else KVCache(session.spec.kv, 1, capacity)
 
 
 def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:

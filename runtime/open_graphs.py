@@ -42,11 +42,15 @@ def open_sessions(folder: Path, manifest: Manifest, devices, threads: tuple[int,
     plan = plan or plan_placement(manifest, devices)  # decided once for both models; warns when auto fell back
     devices = replace(devices, shared_pool=thread_pool.resolve(devices.shared_pool, threads,
                                                                thread_pool.shared_size()))
+    graphs = graphs_to_open(manifest, plan)
+    if any(role == names.DRAFT_STREAMING for role, *_ in graphs):  # both draft graphs feed one cache as exported
+        devices = replace(devices, draft_kv_in_place=False)
     sessions, placements = {}, {}
-    for role, spec, model, with_kv in graphs_to_open(manifest, plan):
+    for role, spec, model, with_kv in graphs:
+        logits = spec.output_names()[0] if role in (names.SUFFIX, names.DRAFT) else ""  # their LM heads
         backend, placement = open_graph(graph_path(folder, spec), spec.model, devices,
                                         threads[0] if model == "target" else threads[1], plan.decision(model),
-                                        spec.kv if with_kv else None, plan.kernels)
+                                        spec.kv if with_kv else None, plan.kernels, logits)
         sessions[role] = GraphSession(spec, backend, placement, timelines[model])
         placements[role] = placement
     return sessions, placements

@@ -40,6 +40,7 @@ from mirrorsd.runtime.kv_cache import KVCache
 from mirrorsd.runtime.models import DraftModel
 from mirrorsd.runtime.sampling import GREEDY, Sampler
 from mirrorsd.runtime.verify import Branch, greedy_tokens, top1_probability, top_k_logprobs
+from mirrorsd.runtime.view_cache import ViewCache
 
 Between = Callable[[], bool]  # called after every forward; True abandons the rollout (the verdict wants another)
 
@@ -48,7 +49,7 @@ Between = Callable[[], bool]  # called after every forward; True abandons the ro
 class RowSlots:
     """Where a branch row's KV lies: the batch cache, the row, and the slots of the tokens it fed."""
 
-    cache: KVCache
+    cache: KVCache | ViewCache
     row: int
     slots: np.ndarray  # [g] slots holding v, t_1 .. t_g-1 in order (a row with lookahead has holes between)
 
@@ -148,9 +149,9 @@ def adopt(draft: DraftModel, window: Window, committed: list[int]) -> None:
     draft.holds(keep, [committed[-1], *window.tokens[:g - 1].tolist()])
 
 
-def _advance(draft: DraftModel, cache: KVCache, mask: np.ndarray, rows: list[_Row], gamma: int, sampler: Sampler,
-             top_k: int, lookahead: bool, compact: bool, between: Between | None, confidence: float | None = None
-             ) -> list[Window] | None:
+def _advance(draft: DraftModel, cache: KVCache | ViewCache, mask: np.ndarray, rows: list[_Row], gamma: int,
+             sampler: Sampler, top_k: int, lookahead: bool, compact: bool, between: Between | None,
+             confidence: float | None = None) -> list[Window] | None:
     """Advance ``rows`` on ``cache`` (``mask`` [rows, cache.length]) until each has ``gamma`` picks (or stopped
     below ``confidence``, see fresh). ``compact``: one row on the main cache, whose rejected lookahead slots are
     truncated instead of masked."""

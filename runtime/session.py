@@ -29,6 +29,9 @@ class GraphSession:
         self.input_names = spec.input_names()
         self.output_names = spec.output_names()
         self.first_input = self.input_names[0]
+        # the graph scores rows from a logits_from input on (devices/kernels/logits_rows.py): a prompt chunk feeds
+        # its last row's index, every other call 0
+        self.logits_from = bool(getattr(backend_session, "logits_rows", False))
         in_place = {name for layer in getattr(backend_session, "kv_in_place", None) or ()
                     for name in (layer.past_key, layer.past_value)}  # fed as views (devices/kernels/kv_in_place.py)
         missing = set(self.input_names) - set(backend_session.input_names()) - in_place

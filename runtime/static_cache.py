@@ -82,8 +82,10 @@ class StaticDraftModel(DraftModel):
                 "prompt + max_new_tokens + 2 x gamma must fit in its fixed KV buffer",
                 "shorten the prompt or max_new_tokens, or re-export with a larger --max-context")
 
-    def forward(self, cache: StaticKVCache, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """ids [B, S] -> logits [B, S, vocab]; ``mask`` [B, length + S] as for the dynamic draft."""
+    def forward(self, cache: StaticKVCache, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
+                logits_from: int = 0) -> np.ndarray:
+        """ids [B, S] -> logits [B, S, vocab]; ``mask`` [B, length + S] as for the dynamic draft. The fixed-shape
+        graph scores every row (``logits_from`` is for graphs that can skip some)."""
         rows, total = ids.shape
         width, n = self.width, self.capacity
         pieces = []

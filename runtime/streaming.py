@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from mirrorsd import names
-from mirrorsd.runtime.models import DraftModel
+from mirrorsd.runtime.models import DraftModel, cache_feeds
 from mirrorsd.runtime.session import GraphSession
 
 
@@ -31,7 +31,7 @@ class StreamingDraftModel(DraftModel):
         """ids [B, S] -> (main logits [B, S, vocab], stream logits [B, n, vocab], hung on input column S - 1);
         appends S slots to ``cache`` (any cache of this draft: the main one or a branch batch's)."""
         feeds = {self.streaming.first_input: ids, names.ATTENTION_MASK: mask, names.POSITION_IDS: positions}
-        feeds.update(cache.past_feeds())
+        feeds.update(cache_feeds(cache, ids.shape[1]))
         out = self.streaming.run(feeds)
         logits, streams = out[self._main_name], out[self._stream_name]
         if logits.shape[:2] != ids.shape or streams.shape[:2] != (ids.shape[0], self.streams):

@@ -1,4 +1,5 @@
-"""The target's KV cache when its graphs write it in place (devices/kernels/kv_in_place.py): buffers the runtime owns.
+"""The KV cache of a graph that writes it in place (devices/kernels/kv_in_place.py): buffers the runtime owns. The
+target's graphs and the draft's use it where mirrorsd's kernels run them.
 
     buffers    one per layer, kind (key / value) and KV head: [B, capacity, D]; slots [0, length) are filled
     step       feed each buffer's slots [0, length + S) as the view [B, 1, length + S, D]; the graph's
@@ -6,6 +7,8 @@
     rollback   a length change (the slots after it are overwritten by the next step)
     growth     a step that needs more than the capacity moves the buffers into ones twice as large (rare: decoders
                reserve prompt + answer at reset)
+    branches   (the draft's rollouts, runtime/rollout.py) ``tiled`` copies row 0's slots into a cache of several rows;
+               ``adopt_slots`` copies one row's slots back into row 0, as KVCache does
 
 With one row (every decoder but generate_batch) ``buffer[:, :T]`` is contiguous, so a step moves no KV at all: the
 only copies are the new slots' own. With several rows the slots of one head are ``capacity`` apart, so each step
@@ -40,7 +43,7 @@ class ViewCache:
     def step_feeds(self, new: int) -> dict[str, np.ndarray]:
         """The views for a call that adds ``new`` slots: [B, 1, length + new, D] per buffer."""
         total = self.length + new
-        self._reserve(total)
+        self.reserve(total)
         if self._batch == 1:
             return {name: buf[:, :total][:, None] for name, buf in self._buffers.items()}  # no copy
         self._staged = {name: np.ascontiguousarray(buf[:, :total])[:, None] for name, buf in self._buffers.items()}
@@ -65,7 +68,25 @@ class ViewCache:
     def nbytes(self) -> int:
         return sum(buf.nbytes for buf in self._buffers.values())
 
-    def _reserve(self, slots: int) -> None:
+    def tiled(self, rows: int, extra: int) -> "ViewCache":
+        """A ``rows``-row copy of row 0's filled slots, with room for ``extra`` more (branch rollouts)."""
+        out = ViewCache(self.layers, rows, self.length + extra)
+        for name, buf in self._buffers.items():
+            out._buffers[name][:, : self.length] = buf[0:1, : self.length]  # [rows, length, D] <- [1, length, D]
+        out.length = self.length
+        return out
+
+    def adopt_slots(self, other: "ViewCache", row: int, slots: np.ndarray, dst_start: int) -> None:
+        """Copy ``other``'s ``row`` at the given slot indices (in order; a streamed branch row has holes between
+        them) into row 0 here, contiguous from ``dst_start``; slots after them are dropped."""
+        count = len(slots)
+        self.truncate(dst_start)
+        self.reserve(dst_start + count)
+        for name, buf in self._buffers.items():
+            buf[0, dst_start:dst_start + count] = other._buffers[name][row][slots]  # [count, D]
+        self.length = dst_start + count
+
+    def reserve(self, slots: int) -> None:
         if slots <= self.capacity:
             return
         capacity = self.capacity

@@ -168,15 +168,17 @@ def test_the_pipeline_fuses_only_the_draft_and_every_mode_equals_ar(lib, int4_ex
     if kernels.unavailable_reason():
         pytest.skip(f"mirrorsd's kernels cannot run here: {kernels.unavailable_reason()}")
     prompt = [1, 17, 42, 99, 7, 3, 3]
-    with Pipeline.load(int4_export, DeviceRequest(kernels="mirrorsd")) as pipe:
+    # (by default the draft's cache is written in place, tests/test_kv_in_place.py; off, its attention is fused)
+    with Pipeline.load(int4_export, DeviceRequest(kernels="mirrorsd", draft_kv_in_place=False)) as pipe:
         assert pipe.placements["draft"].fused_attention == 2
         assert FUSED_ATTENTION_MARK in pipe.placements["draft"].describe()
         assert all(pipe.placements[role].fused_attention == 0 for role in ("prefix", "suffix", "exit_head"))
         ar = pipe.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=24)).tokens
         for mode in ("sd", "mirror"):
             assert pipe.generate(prompt, GenerationConfig(mode=mode, max_new_tokens=24)).tokens == ar
-    with Pipeline.load(int4_export, DeviceRequest(kernels="mirrorsd", fused_draft_attention=False)) as pipe:
-        assert pipe.placements["draft"].fused_attention == 0
+    with Pipeline.load(int4_export, DeviceRequest(kernels="mirrorsd", fused_draft_attention=False,
+                                                  draft_kv_in_place=False)) as pipe:
+        assert pipe.placements["draft"].fused_attention == 0 and pipe.placements["draft"].kv_in_place == 0
         assert pipe.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=24)).tokens == ar
 
 
@@ -190,10 +192,12 @@ def test_the_rewrite_needs_neither_onnx_nor_torch(lib, int4_export):
     code = BLOCK_TORCH + f"""
 from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import GenerationConfig, Pipeline
-with Pipeline.load({str(int4_export)!r}, DeviceRequest(kernels="mirrorsd")) as pipe:
-    assert pipe.placements["draft"].fused_attention == 2, pipe.placements["draft"]
-    ar = pipe.generate([1, 17, 42], GenerationConfig(mode="ar", max_new_tokens=8)).tokens
-    assert pipe.generate([1, 17, 42], GenerationConfig(mode="sd", max_new_tokens=8)).tokens == ar
+for in_place in (True, False):
+    with Pipeline.load({str(int4_export)!r}, DeviceRequest(kernels="mirrorsd", draft_kv_in_place=in_place)) as pipe:
+        rewritten = pipe.placements["draft"].kv_in_place if in_place else pipe.placements["draft"].fused_attention
+        assert rewritten == 2, pipe.placements["draft"]
+        ar = pipe.generate([1, 17, 42], GenerationConfig(mode="ar", max_new_tokens=8)).tokens
+        assert pipe.generate([1, 17, 42], GenerationConfig(mode="sd", max_new_tokens=8)).tokens == ar
 assert not any(m.split('.')[0] in ('onnx', 'torch') for m in sys.modules)
 print('ok')
 """

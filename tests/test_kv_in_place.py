@@ -27,6 +27,7 @@ from tiny_models import build_model
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 32
+DRAFT_LAYERS = 2
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def tiny_export(tmp_path_factory, precision: str):
     source = build_model(tmp_path_factory.mktemp(f"inplace-{precision}-src"), "qwen2", layers=LAYERS, hidden=256,
                          heads=8, kv_heads=KV_HEADS)
     out = tmp_path_factory.mktemp(f"inplace-{precision}") / "q"
-    export(ExportOptions(model=source, output=out, draft_layers=2, target_precision=precision,
+    export(ExportOptions(model=source, output=out, draft_layers=DRAFT_LAYERS, target_precision=precision,
                          draft_precision=precision))
     return out
 
@@ -203,12 +204,17 @@ def prompts():
 def test_the_pipeline_writes_the_target_cache_in_place_and_every_mode_gives_ars_tokens(lib, int4_export):
     runs = {}
     for in_place in (True, False):
-        with Pipeline.load(int4_export, DeviceRequest(kernels="mirrorsd", target_kv_in_place=in_place)) as pipe:
+        with Pipeline.load(int4_export, DeviceRequest(kernels="mirrorsd", target_kv_in_place=in_place,
+                                                      draft_kv_in_place=in_place)) as pipe:
             counts = [pipe.placements[role].kv_in_place for role in ("prefix", "suffix")]
             assert sum(counts) == (LAYERS if in_place else 0)
-            assert pipe.placements["exit_head"].kv_in_place == 0 and pipe.placements["draft"].kv_in_place == 0
+            assert pipe.placements["exit_head"].kv_in_place == 0
+            assert pipe.placements["draft"].kv_in_place == (DRAFT_LAYERS if in_place else 0)
+            assert pipe.placements["draft"].fused_attention == (0 if in_place else DRAFT_LAYERS)
             assert (KV_IN_PLACE_MARK in pipe.placements["prefix"].describe()) == in_place
+            assert (KV_IN_PLACE_MARK in pipe.placements["draft"].describe()) == in_place
             assert isinstance(pipe.target.prefix_cache, ViewCache) == in_place
+            assert isinstance(pipe.draft.cache, ViewCache) == in_place
             if not in_place:
                 continue
             for i, prompt in enumerate(prompts()):
@@ -221,6 +227,93 @@ def test_the_pipeline_writes_the_target_cache_in_place_and_every_mode_gives_ars_
         for mode in ("sd", "mirror", "ngram"):
             assert runs[i, mode] == runs[i, "ar"], (i, mode)
     assert [row[:12] for row in batch] == [runs[i, "ar"][:12] for i in range(len(prompts()))]
+
+
+def test_the_draft_in_place_rolls_out_the_windows_branches_and_adopted_cache_of_the_fused_draft(lib, int4_export):
+    """The draft's cache written in place (InPlaceAttention, ViewCache) against the fused draft (GroupedAttention,
+    KVCache, presents copied back), on one prompt each: the same fresh window and top ids, the same branch rows
+    (three rows on a tiled cache, the later window slots masked as holes, one row a branch past the window), the
+    same KV after a branch is adopted, and the same next window. Both nodes share one attention routine, so the
+    logits agree within float rounding (bit for bit on the runs this was written on)."""
+    from mirrorsd.runtime.rollout import adopt, branches, fresh
+    from mirrorsd.runtime.sampling import GREEDY
+    from mirrorsd.runtime.verify import Branch
+
+    g, got = 4, {}
+    for in_place in (True, False):
+        with Pipeline.load(int4_export, DeviceRequest(kernels="mirrorsd", draft_kv_in_place=in_place)) as pipe:
+            draft = pipe.draft
+            assert isinstance(draft.cache, ViewCache) == in_place
+            for i, committed in enumerate(prompts()):
+                draft.reset(capacity=8)  # grows while it goes
+                window = fresh(draft, committed, g, top_k=3)
+                draft.extend([int(window.tokens[-1])])  # main cache: committed + window (what Mirror-SD's worker does)
+                batch = [Branch(1, int(window.top_ids[0, 1]), 0.0), Branch(3, int(window.top_ids[2, 1]), 0.0),
+                         Branch(g + 1, 7, 0.0)]
+                rows = branches(draft, committed, window.tokens, batch, GREEDY, 3, False)
+                now = committed + window.tokens[:2].tolist() + [batch[1].token]
+                adopt(draft, rows[1], now)
+                assert draft.cache.length == len(now) + g - 1
+                kv = kv_of(draft.cache, draft.cache.length)
+                after = fresh(draft, now + rows[1].tokens.tolist(), g, top_k=3)
+                got[in_place, i] = window, rows, kv, after
+    for i in range(len(prompts())):
+        (window, rows, kv, after), (window0, rows0, kv0, after0) = got[True, i], got[False, i]
+        for a, b in [(window, window0), (after, after0), *zip(rows, rows0)]:
+            assert a.tokens.tolist() == b.tokens.tolist() and a.top_ids.tolist() == b.top_ids.tolist(), i
+            assert np.abs(a.top_logprobs - b.top_logprobs).max() <= 1e-5
+        assert kv.shape == kv0.shape and np.abs(kv - kv0).max() <= 1e-5
+
+
+def kv_of(cache, length: int, row: int = 0) -> np.ndarray:
+    """``row``'s first ``length`` slots of every layer's keys and values, [layers * 2 * heads, length, D], whichever
+    cache holds them (a ViewCache per layer, kind and head, a KVCache per layer and kind)."""
+    if isinstance(cache, ViewCache):
+        return np.stack([cache._buffers[name][row, :length] for layer in cache.layers for kind in ("key", "value")
+                         for name in layer.views(kind)])
+    return np.stack([kv[row, h, :length] for k, v in zip(cache.keys, cache.values) for kv in (k, v)
+                     for h in range(kv.shape[1])])
+
+
+def test_the_view_caches_branch_operations_match_the_buffer_caches():
+    """ViewCache.tiled / adopt_slots (the draft's branch rollouts) move the slots KVCache's do, holes skipped."""
+    from mirrorsd.devices.kernels.kv_in_place import InPlaceLayer
+    from mirrorsd.manifest import KVSpec
+    from mirrorsd.runtime.kv_cache import KVCache
+
+    rng = np.random.default_rng(1)
+    layers = [InPlaceLayer(i, 2, 4, f"past_key.{i}", f"past_value.{i}", f"present.{i}.key", f"present.{i}.value")
+              for i in range(2)]
+    spec = KVSpec("past_key.%d", "past_value.%d", "present.%d.key", "present.%d.value", (0, 2), 2, 4, "float32")
+    views, buffers = ViewCache(layers, 1, 4), KVCache(spec, 1, 4)
+    for cache in (views, buffers):
+        cache.reserve(6)
+        cache.length = 6
+    for layer, keys, values in zip(layers, buffers.keys, buffers.values):
+        for kind, data in (("key", keys), ("value", values)):
+            data[0, :, :6] = rng.standard_normal((2, 6, 4))
+            for h, name in enumerate(layer.views(kind)):
+                views._buffers[name][0, :6] = data[0, h, :6]
+    tiled_views, tiled_buffers = views.tiled(3, 5), buffers.tiled(3, 5)
+    assert tiled_views.batch == 3 and tiled_views.length == 6 and tiled_views.capacity >= 11
+    for row in range(3):
+        assert np.array_equal(kv_of(tiled_views, 6, row), kv_of(tiled_buffers, 6, row))
+    for tiled in (tiled_views, tiled_buffers):  # row 2 wrote slots 6..10 (a branch with lookahead holes)
+        tiled.reserve(11)
+        tiled.length = 11
+    for layer, keys, values in zip(layers, tiled_buffers.keys, tiled_buffers.values):
+        for kind, data in (("key", keys), ("value", values)):
+            data[2, :, 6:11] = rng.standard_normal((2, 5, 4))
+            for h, name in enumerate(layer.views(kind)):
+                tiled_views._buffers[name][2, 6:11] = data[2, h, 6:11]
+    slots = np.array([6, 8, 10])
+    views.adopt_slots(tiled_views, 2, slots, 4)
+    buffers.adopt_slots(tiled_buffers, 2, slots, 4)
+    assert views.length == buffers.length == 7
+    assert np.array_equal(kv_of(views, 7), kv_of(buffers, 7))
+    assert np.array_equal(kv_of(views, 7)[:, 4:], kv_of(tiled_buffers, 11, 2)[:, slots])
+    with pytest.raises(ValueError, match="cannot truncate"):
+        views.adopt_slots(tiled_views, 2, slots, 8)  # past the cache's length
 
 
 def test_a_view_that_does_not_fit_is_refused_with_the_node_and_the_fix(lib, int4_export):

@@ -2,34 +2,44 @@
 role, its row count and its cached length, and each prompt's decode time (after the first token) is split into
 target passes by rows, draft forwards by rows (the draft's prefill of the prompt apart), and the rest (host work).
 
-    python scripts/lab/decode_time_split.py EXPORT MODES [TOKENS (128)] [PER_CATEGORY (1)]
+    python scripts/lab/decode_time_split.py EXPORT MODES [TOKENS (128)] [PER_CATEGORY (1)] [PROMPT_FILE]
         MODES: comma-separated bench-like settings, e.g. ar,sd-stop-ngram (sd-stop: --draft-confidence 0.8;
-        -ngram: n-gram proposer on)
+        -ngram: n-gram proposer on; +fused-draft: on a second pipeline whose draft keeps the fused attention and
+        the copied cache instead of its cache written in place, DeviceRequest.draft_kv_in_place=False)
 
-Modes alternate prompt by prompt in one process, so their rows are comparable within the run.
+Modes alternate prompt by prompt in one process, so their rows are comparable within the run. PROMPT_FILE: one
+prompt, that file's text (chat template applied), instead of the SpecBench questions (a long context).
 """
 from __future__ import annotations
 
 import collections
 import sys
 import time
+from pathlib import Path
 
 from mirrorsd import specbench
 from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import GenerationConfig, Pipeline
+from mirrorsd.runtime.models import PREFILL_CHUNK
 from mirrorsd.runtime.session import GraphSession
 
 PREFILL_ROWS = 16  # a draft call with more rows than this is its prefill of the prompt
 
 
+FUSED_DRAFT = "+fused-draft"
+
+
 def config_of(mode: str, tokens: int) -> GenerationConfig:
-    base = mode.replace("-ngram", "").replace("-stop", "")
+    base = mode.replace(FUSED_DRAFT, "").replace("-ngram", "").replace("-stop", "")
     return GenerationConfig(mode=base, max_new_tokens=tokens, draft_confidence=0.8 if "-stop" in mode else 0.0,
                             ngram="-ngram" in mode)
 
 
-def main(folder: str, modes: list[str], tokens: int, per_category: int) -> None:
-    questions = specbench.first_per_category(specbench.read(None), (), per_category)
+def main(folder: str, modes: list[str], tokens: int, per_category: int, prompt_file: str | None = None) -> None:
+    if prompt_file:
+        questions = [specbench.Question("file", "file", Path(prompt_file).read_text())]
+    else:
+        questions = specbench.first_per_category(specbench.read(None), (), per_category)
     calls: list[tuple[str, int, float, float]] = []  # (role, rows, start, end)
     original = GraphSession.run
 
@@ -42,17 +52,23 @@ def main(folder: str, modes: list[str], tokens: int, per_category: int) -> None:
     GraphSession.run = timed
     totals = {m: collections.Counter() for m in modes}
     counts = {m: collections.Counter() for m in modes}
-    with Pipeline.load(folder, DeviceRequest(spin_in_run=True)) as pipe:
-        pipe.generate("Say hello.", GenerationConfig(mode="sd", max_new_tokens=8))
+    variants = {FUSED_DRAFT in mode for mode in modes}
+    pipes = {fused: Pipeline.load(folder, DeviceRequest(spin_in_run=True, draft_kv_in_place=not fused))
+             for fused in sorted(variants)}
+    try:
+        for pipe in pipes.values():
+            pipe.generate("Say hello.", GenerationConfig(mode="sd", max_new_tokens=8))
         for q in questions:
             for mode in modes:
+                pipe = pipes[FUSED_DRAFT in mode]
                 calls.clear()
                 start = time.perf_counter()
                 result = pipe.generate(q.text, config_of(mode, tokens))
                 end = time.perf_counter()
-                # the first token comes from the target's prefill: its suffix call is the first one (the stats'
-                # time to first token starts after the prompt's encoding, not at this call)
-                first = next(e for role, _, _, e in calls if role == "suffix")
+                # the first token comes from the target's prefill, read PREFILL_CHUNK rows a call: its last suffix
+                # call is the first one with fewer rows (a prompt of whole chunks counts its first step as prefill;
+                # the stats' time to first token starts after the prompt's encoding, not at these calls)
+                first = next(e for role, rows, _, e in calls if role == "suffix" and rows < PREFILL_CHUNK)
                 t, c = totals[mode], counts[mode]
                 t["decode"] += end - first
                 t["prefill"] += first - start
@@ -67,6 +83,9 @@ def main(folder: str, modes: list[str], tokens: int, per_category: int) -> None:
                         key = f"target {role}"
                     t[key] += e - s
                     c[key] += 1
+    finally:
+        for pipe in pipes.values():
+            pipe.close()
     print(f"{folder}: {len(questions)} prompts x {tokens} tokens; seconds of decode time (after the first token)")
     for mode in modes:
         t, c = totals[mode], counts[mode]
@@ -82,4 +101,4 @@ def main(folder: str, modes: list[str], tokens: int, per_category: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]) if len(sys.argv) > 3 else 128,
-         int(sys.argv[4]) if len(sys.argv) > 4 else 1)
+         int(sys.argv[4]) if len(sys.argv) > 4 else 1, sys.argv[5] if len(sys.argv) > 5 else None)
