@@ -203,8 +203,10 @@ class OrtSession:
                 if settings.fuse_attention and not self.kv_in_place:
                     model = self._fused(path, opts, unpacked)
                 if settings.logits_output:
-                    model = self._logits_rows(path, opts, model if isinstance(model, bytes) else None,
-                                              settings.logits_output)
+                    current = None if isinstance(model, str) else model  # the bytes so far, if any
+                    unpacked = None  # (a packed graph's weights are inline: one copy fewer held while rewriting)
+                    model = self._logits_rows(path, opts, current, settings.logits_output)
+                    del current
         self._open(lambda: ort.InferenceSession(model, opts, providers=providers), path)
 
     def _fused(self, path: Path, opts, unpacked: bytes | None = None) -> str | bytes:

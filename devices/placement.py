@@ -88,8 +88,9 @@ class DeviceRequest:
     target_openvino: OpenVINOTuning = OpenVINOTuning(attention="fused", stateful=True, kv_precision="f16")
     draft_openvino: OpenVINOTuning = OpenVINOTuning(attention="as-exported")
     kernels: str = AUTO  # MatMulNBits on ONNX Runtime CPU: auto | mirrorsd | ort (devices/kernel_choice.py)
-    # Where mirrorsd's kernels run the draft (ONNX Runtime CPU), each layer's attention runs as one fused node
-    # (devices/kernels/attention_rewrite.py) instead of the graph's ~30 small ones; False keeps the graph's nodes
+    # Where mirrorsd's kernels run the draft (ONNX Runtime CPU) and its cache is not in place (draft_kv_in_place
+    # below), each layer's attention runs as one fused node (devices/kernels/attention_rewrite.py) instead of the
+    # graph's ~30 small ones; False (with draft_kv_in_place False) keeps the graph's nodes
     fused_draft_attention: bool = True
     # Where mirrorsd's kernels run the target (ONNX Runtime CPU), write its KV cache in place into buffers the runtime
     # owns and run each layer's attention as one InPlaceAttention node (devices/kernels/kv_in_place.py,
@@ -101,8 +102,8 @@ class DeviceRequest:
     target_kv_in_place: bool = True
     # Likewise for the draft (ONNX Runtime CPU with mirrorsd's kernels): its cache written in place, each layer's
     # attention one InPlaceAttention node, in place of the fused node above, which reads the past the host feeds
-    # and writes it out again as the presents every forward (one-row forwards of the 0.5B draft 0.88x / 0.78x /
-    # 0.66x at 300 / 1000 / 2000 cached tokens, the same logits; devices/kernels/README.md). Not beside a
+    # and writes it out again as the presents every forward (one-row forwards of the 0.5B draft 0.89x / 0.75x /
+    # 0.65x at 300 / 1000 / 2000 cached tokens, the same logits; devices/kernels/README.md). Not beside a
     # streaming draft graph, which shares the plain graph's cache and keeps the exported form
     draft_kv_in_place: bool = True
     # Where mirrorsd's kernels run the draft and the target's suffix (ONNX Runtime CPU), a prompt chunk scores its

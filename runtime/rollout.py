@@ -173,8 +173,9 @@ def _advance(draft: DraftModel, cache: KVCache | ViewCache, mask: np.ndarray, ro
         # a forward that may finish every row needs no next lookahead: the plain graph is cheaper
         plain = not lookahead or all(len(f) - len(row.feed) + 1 >= gamma - len(row.tokens)
                                      for row, f in zip(rows, fed) if f)
-        if plain:
-            logits, streams = draft.forward(cache, ids, mask, positions), None
+        if plain:  # picks read each row's columns from its last fed token on: a graph that can skips the others
+            first = min(len(row.feed) - 1 for row, f in zip(rows, fed) if f)
+            logits, streams = draft.forward(cache, ids, mask, positions, first), None
         else:
             logits, streams = draft.forward_streaming(cache, ids, mask, positions)
         forwards += 1
@@ -207,10 +208,12 @@ def _fed(row: _Row, gamma: int) -> list[int]:
 
 def _pick(rows: list[_Row], fed: list[list[int]], logits: np.ndarray, positions: np.ndarray, sampler: Sampler,
           top_k: int, confidence: float | None = None) -> list[int]:
-    """Each row's picks after its feed (logits [rows, width, vocab]); a row keeps the lookahead prefix its picks
-    confirm, plus the pick after it, and with a ``confidence`` threshold nothing after its first pick below it.
-    Returns per row the first column it does not keep."""
-    width = logits.shape[1]
+    """Each row's picks after its feed (logits [rows, width - skipped, vocab]: the graph may leave out the first
+    columns, which no pick reads); a row keeps the lookahead prefix its picks confirm, plus the pick after it, and
+    with a ``confidence`` threshold nothing after its first pick below it. Returns per row the first column it does
+    not keep."""
+    width = positions.shape[1]
+    skipped = width - logits.shape[1]  # columns before the first that any row picks from
     if all(len(f) == len(row.feed) == width for row, f in zip(rows, fed)):  # no lookahead, no padding
         rr, cc = range(len(rows)), [width - 1] * len(rows)
         chosen, after = logits[:, -1], positions[:, -1] + 1  # [rows, vocab], [rows]
@@ -220,7 +223,7 @@ def _pick(rows: list[_Row], fed: list[list[int]], logits: np.ndarray, positions:
             columns = range(len(row.feed) - 1, len(f))
             rr += [r] * len(columns)
             cc += columns
-        chosen, after = logits[rr, cc], positions[rr, cc] + 1  # [columns, vocab], [columns]
+        chosen, after = logits[rr, [c - skipped for c in cc]], positions[rr, cc] + 1  # [columns, vocab], [columns]
     contexts = [rows[r].context + fed[r][len(rows[r].feed):c + 1] for r, c in zip(rr, cc)] \
         if rows[0].context is not None else None
     picks, q = sampler.draft(chosen, after, contexts)  # drawn at the positions where a fresh rollout would draw

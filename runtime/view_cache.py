@@ -10,9 +10,10 @@ target's graphs and the draft's use it where mirrorsd's kernels run them.
     branches   (the draft's rollouts, runtime/rollout.py) ``tiled`` copies row 0's slots into a cache of several rows;
                ``adopt_slots`` copies one row's slots back into row 0, as KVCache does
 
-With one row (every decoder but generate_batch) ``buffer[:, :T]`` is contiguous, so a step moves no KV at all: the
-only copies are the new slots' own. With several rows the slots of one head are ``capacity`` apart, so each step
-copies them into a compact view and the new slots back (the cost PresentCache pays anyway).
+With one row (every decoding step; not generate_batch, nor the draft's branch rollouts) ``buffer[:, :T]`` is
+contiguous, so a step moves no KV at all: the only copies are the new slots' own. With several rows the slots of one
+head are ``capacity`` apart, so each step copies them into a compact view and the new slots back (what feeding a
+past from a preallocated buffer cost anyway: ONNX Runtime copies a view that is not contiguous).
 """
 from __future__ import annotations
 

@@ -91,10 +91,15 @@ def test_the_rewrite_cuts_the_heads_rows_to_the_same_bits(lib, int4_export):
             assert np.array_equal(cut, every_row[:, first:]), (graph, first)
 
 
-def test_graphs_whose_logits_are_not_one_matmulnbits_are_left_alone(lib, int4_export, tmp_path_factory):
-    for graph in ("prefix", "exit_head"):
-        original = (int4_export / f"{graph}.onnx").read_bytes()
-        assert logits_from_input(original, "logits") == (original, False), graph
+def test_graphs_whose_logits_are_not_one_matmulnbits_or_are_read_inside_are_left_alone(lib, int4_export,
+                                                                                      tmp_path_factory):
+    original = (int4_export / "draft.onnx").read_bytes()
+    model = onnx.load_from_string(original)
+    model.graph.node.append(onnx.helper.make_node("Identity", ["logits"], ["logits_again"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("logits_again", onnx.TensorProto.FLOAT, None))
+    read_inside = model.SerializeToString()  # a node reads every row's logits: cutting rows would change it
+    assert logits_from_input(read_inside, "logits") == (read_inside, False)
+    assert logits_from_input(original, "no_such_output") == (original, False)
     float_export = tiny_export(tmp_path_factory, "fp32")  # its head is a MatMul
     original = (float_export / "draft.onnx").read_bytes()
     assert logits_from_input(original, "logits") == (original, False)
@@ -103,27 +108,53 @@ def test_graphs_whose_logits_are_not_one_matmulnbits_are_left_alone(lib, int4_ex
         assert pipe.generate(PROMPTS[0], GenerationConfig(mode="sd", max_new_tokens=6)).tokens
 
 
+def logits_rows_of(graph) -> list[tuple[int, int]]:
+    """Record (rows fed, logits rows returned) of every call of ``graph`` (a GraphSession) from now on."""
+    calls, run = [], graph.run
+
+    def recorded(feeds):
+        out = run(feeds)
+        calls.append((feeds[graph.first_input].shape[1], out[graph.output_names[0]].shape[1]))
+        return out
+
+    graph.run = recorded
+    return calls
+
+
 def test_the_pipeline_scores_a_prompts_last_row_only_and_every_mode_gives_ars_tokens(lib, int4_export):
-    first_logits, runs = {}, {}
+    first_logits, runs, stats = {}, {}, {}
     for last_row in (True, False):
         with Pipeline.load(int4_export, DeviceRequest(kernels="mirrorsd", prompt_last_row_only=last_row)) as pipe:
             assert pipe.target.suffix.logits_from == last_row and pipe.draft.session.logits_from == last_row
             assert not pipe.target.prefix.logits_from and not pipe.target.exit_head.logits_from
+            suffix_calls, draft_calls = logits_rows_of(pipe.target.suffix), logits_rows_of(pipe.draft.session)
             for i, prompt in enumerate(PROMPTS):
                 pipe.target.reset(1, 64)
+                suffix_calls.clear()
                 first_logits[last_row, i] = pipe.target.prefill(prompt, chunk=4)  # several chunks, the last short
+                assert len(suffix_calls) == -(-len(prompt) // 4)
+                assert all(got == (1 if last_row else fed) for fed, got in suffix_calls), suffix_calls
                 pipe.draft.reset()
+                draft_calls.clear()
                 pipe.draft.prefill(prompt, chunk=4)
+                assert all(got == (1 if last_row else fed) for fed, got in draft_calls), draft_calls
                 assert pipe.draft.cache.length == len(prompt) and pipe.draft.cache_tokens == prompt
                 next_logits = pipe.draft.extend([prompt[-1]])  # one row after the prompt: scored as usual
                 assert next_logits.shape[0] == 1
                 first_logits[last_row, i, "draft"] = next_logits
                 for mode in ("ar", "sd", "mirror", "ngram"):
-                    runs[last_row, i, mode] = pipe.generate(prompt, GenerationConfig(mode=mode,
-                                                                                     max_new_tokens=16)).tokens
+                    pipe.draft.reset()  # (else the draft keeps the prompt read above: nothing left to read)
+                    draft_calls.clear()
+                    result = pipe.generate(prompt, GenerationConfig(mode=mode, max_new_tokens=16))
+                    runs[last_row, i, mode] = result.tokens
+                    stats[last_row, i, mode] = (result.stats.steps, result.stats.accepted)
+                    if mode == "sd" and last_row:  # a rollout's first forward reads the prompt: its last row scored
+                        fed, got = draft_calls[0]
+                        assert fed > 1 and got == 1, draft_calls[:3]
     for i in range(len(PROMPTS)):
         assert first_logits[True, i].shape == first_logits[False, i].shape == (1, first_logits[True, i].shape[1])
         assert np.array_equal(first_logits[True, i], first_logits[False, i]), i
         assert np.array_equal(first_logits[True, i, "draft"], first_logits[False, i, "draft"]), i
         for mode in ("ar", "sd", "mirror", "ngram"):
             assert runs[True, i, mode] == runs[False, i, "ar"], (i, mode)
+            assert stats[True, i, mode] == stats[False, i, mode], (i, mode)  # the draft proposed the same windows

@@ -92,9 +92,9 @@ def test_a_new_prompt_keeps_the_draft_slots_it_shares_with_the_last_text(mode, d
     fed = []  # tokens per draft forward
     forward = pipe.draft.forward
 
-    def counting(cache, ids, mask, positions):
+    def counting(cache, ids, mask, positions, *rest):  # rest: logits_from
         fed.append(ids.shape[1])
-        return forward(cache, ids, mask, positions)
+        return forward(cache, ids, mask, positions, *rest)
 
     monkeypatch.setattr(pipe.draft, "forward", counting)
     config = GenerationConfig(mode=mode, max_new_tokens=NEW, gamma=3)

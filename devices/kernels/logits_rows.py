@@ -15,8 +15,8 @@ along the rows:
 ``logits_from`` is an int64 input of shape [1]: 0 scores every row (what the exported graph does), S - 1 the last
 one. A row's logits do not depend on how many rows the head multiplies where mirrorsd's kernels run it (their
 results are row-invariant: tests/test_kernels.py), so the runtime applies the rewrite there only, and a prompt's
-last row is scored to the same bits as before. A graph whose logits do not come straight from one MatMulNBits is
-left as it is.
+last row is scored to the same bits as before. A graph whose logits do not come straight from one MatMulNBits, or
+that reads them itself, is left as it is.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from mirrorsd.devices.kernels.attention_rewrite import (_GRAPH_INITIALIZER, _GRA
 from mirrorsd.onnx_wire import LENGTH_DELIMITED, MalformedProtobuf, fields, message_field, varint_field
 
 LOGITS_FROM = "logits_from"  # the input the rewritten graph takes: int64 [1], the first row whose logits it computes
-_HEAD_OP = "MatMulNBits"
+_HEAD_OP, _HEAD_DOMAIN = "MatMulNBits", "com.microsoft"
 _INT64 = 7  # TensorProto.DataType
 _NODE_NAME, _NODE_OP_TYPE, _NODE_DOMAIN = 3, 4, 7
 _TENSOR_DIMS, _TENSOR_DATA_TYPE, _TENSOR_NAME, _TENSOR_RAW = 1, 2, 8, 9
@@ -41,7 +41,9 @@ def logits_from_input(model: bytes, logits: str) -> tuple[bytes, bool]:
     if parts is None or logits not in parts.outputs or LOGITS_FROM in parts.inputs:
         return model, False
     heads = [n for n in parts.nodes if logits in n.output]
-    if len(heads) != 1 or heads[0].op_type != _HEAD_OP or heads[0].output != [logits] or not heads[0].input:
+    if (len(heads) != 1 or heads[0].op_type != _HEAD_OP or heads[0].domain != _HEAD_DOMAIN
+            or heads[0].output != [logits] or not heads[0].input
+            or any(logits in n.input for n in parts.nodes)):  # a node that reads every row's logits
         return model, False
     head = heads[0]
     sliced = f"{head.input[0]}/{LOGITS_FROM}"

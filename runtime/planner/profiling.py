@@ -173,7 +173,7 @@ def _draft_costs(view: PipelineView, prompt: list[int], gamma: int, batch_rows: 
     for r in range(2):  # the draft's prefill of the whole prompt (sd pays it in its first step); warm-up first
         draft.reset(capacity=len(prompt) + 4 * gamma + 16)
         start = time.perf_counter()
-        draft.extend(prompt)
+        draft.prefill(prompt)  # as sd reads a prompt: chunks that score their last row only where the graph can
         prefills.append((time.perf_counter() - start) / len(prompt))
     prefill = prefills[-1]
     fresh(draft, prompt, gamma)  # warm-up

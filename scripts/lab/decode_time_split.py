@@ -4,8 +4,9 @@ target passes by rows, draft forwards by rows (the draft's prefill of the prompt
 
     python scripts/lab/decode_time_split.py EXPORT MODES [TOKENS (128)] [PER_CATEGORY (1)] [PROMPT_FILE]
         MODES: comma-separated bench-like settings, e.g. ar,sd-stop-ngram (sd-stop: --draft-confidence 0.8;
-        -ngram: n-gram proposer on; +fused-draft: on a second pipeline whose draft keeps the fused attention and
-        the copied cache instead of its cache written in place, DeviceRequest.draft_kv_in_place=False)
+        -ngram: n-gram proposer on; a suffix runs the mode on a pipeline of its own: +fused-draft, the draft keeps
+        the fused attention and the copied cache (DeviceRequest.draft_kv_in_place=False); +all-rows, every row of
+        a prompt's chunks and of a rollout's forwards scored (prompt_last_row_only=False))
 
 Modes alternate prompt by prompt in one process, so their rows are comparable within the run. PROMPT_FILE: one
 prompt, that file's text (chat template applied), instead of the SpecBench questions (a long context).
@@ -26,11 +27,15 @@ from mirrorsd.runtime.session import GraphSession
 PREFILL_ROWS = 16  # a draft call with more rows than this is its prefill of the prompt
 
 
-FUSED_DRAFT = "+fused-draft"
+VARIANTS = {"": {}, "+fused-draft": {"draft_kv_in_place": False}, "+all-rows": {"prompt_last_row_only": False}}
+
+
+def variant_of(mode: str) -> str:
+    return next((suffix for suffix in VARIANTS if suffix and mode.endswith(suffix)), "")
 
 
 def config_of(mode: str, tokens: int) -> GenerationConfig:
-    base = mode.replace(FUSED_DRAFT, "").replace("-ngram", "").replace("-stop", "")
+    base = mode.removesuffix(variant_of(mode)).replace("-ngram", "").replace("-stop", "")
     return GenerationConfig(mode=base, max_new_tokens=tokens, draft_confidence=0.8 if "-stop" in mode else 0.0,
                             ngram="-ngram" in mode)
 
@@ -52,15 +57,14 @@ def main(folder: str, modes: list[str], tokens: int, per_category: int, prompt_f
     GraphSession.run = timed
     totals = {m: collections.Counter() for m in modes}
     counts = {m: collections.Counter() for m in modes}
-    variants = {FUSED_DRAFT in mode for mode in modes}
-    pipes = {fused: Pipeline.load(folder, DeviceRequest(spin_in_run=True, draft_kv_in_place=not fused))
-             for fused in sorted(variants)}
+    pipes = {variant: Pipeline.load(folder, DeviceRequest(spin_in_run=True, **VARIANTS[variant]))
+             for variant in sorted({variant_of(mode) for mode in modes})}
     try:
         for pipe in pipes.values():
             pipe.generate("Say hello.", GenerationConfig(mode="sd", max_new_tokens=8))
         for q in questions:
             for mode in modes:
-                pipe = pipes[FUSED_DRAFT in mode]
+                pipe = pipes[variant_of(mode)]
                 calls.clear()
                 start = time.perf_counter()
                 result = pipe.generate(q.text, config_of(mode, tokens))

@@ -18,7 +18,7 @@ import numpy as np
 from mirrorsd import names
 from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import Pipeline
-from mirrorsd.runtime.models import single_row_inputs
+from mirrorsd.runtime.models import cache_feeds, logits_from_feed, single_row_inputs
 
 
 def timed(fn, repeats: int) -> float:
@@ -48,10 +48,11 @@ def main() -> None:
         target.extend(ids[:args.context])
         ids_w, mask, pos = single_row_inputs(ids[args.context:], args.context)
         feeds = {target.prefix.first_input: ids_w, names.ATTENTION_MASK: mask, names.POSITION_IDS: pos}
-        feeds.update(target.prefix_cache.past_feeds())
+        feeds.update(cache_feeds(target.prefix_cache, args.width))
         hidden = target.prefix.run(feeds)[target.prefix.output_names[0]]
         suffix_feeds = {target.suffix.first_input: hidden, names.ATTENTION_MASK: mask, names.POSITION_IDS: pos}
-        suffix_feeds.update(target.suffix_cache.past_feeds())
+        suffix_feeds.update(cache_feeds(target.suffix_cache, args.width))
+        suffix_feeds.update(logits_from_feed(target.suffix, 0))
         parts = {"prefix": timed(lambda: target.prefix.run(feeds), args.repeats),
                  "suffix": timed(lambda: target.suffix.run(suffix_feeds), args.repeats),
                  "exit (full head)": timed(lambda: target.exit_head.run({target.exit_head.first_input: hidden}),
