@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernel_graphs import library_or_skip
+from kernel_exports import kernels_or_skip, tiny_qwen_export
 
 from mirrorsd.devices import kernels
 from mirrorsd.devices.kernels.kv_in_place import OP_TYPE, kv_in_place, view_name
 from mirrorsd.devices.placement import KV_IN_PLACE_MARK, DeviceRequest
-from mirrorsd.export.pipeline import ExportOptions, export
 from mirrorsd.runtime import GenerationConfig, Pipeline
 from mirrorsd.runtime.view_cache import ViewCache
-
-
-from tiny_models import build_model
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
@@ -32,19 +28,11 @@ DRAFT_LAYERS = 2
 
 @pytest.fixture(scope="module")
 def lib():
-    library = library_or_skip()
-    if kernels.unavailable_reason():
-        pytest.skip(f"mirrorsd's kernels cannot run here: {kernels.unavailable_reason()}")
-    return library
+    return kernels_or_skip()
 
 
 def tiny_export(tmp_path_factory, precision: str):
-    source = build_model(tmp_path_factory.mktemp(f"inplace-{precision}-src"), "qwen2", layers=LAYERS, hidden=256,
-                         heads=8, kv_heads=KV_HEADS)
-    out = tmp_path_factory.mktemp(f"inplace-{precision}") / "q"
-    export(ExportOptions(model=source, output=out, draft_layers=DRAFT_LAYERS, target_precision=precision,
-                         draft_precision=precision))
-    return out
+    return tiny_qwen_export(tmp_path_factory, "inplace", precision, LAYERS, KV_HEADS, DRAFT_LAYERS)
 
 
 @pytest.fixture(scope="module")

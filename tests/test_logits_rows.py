@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernel_graphs import library_or_skip
-from tiny_models import build_model
+from kernel_exports import kernels_or_skip, tiny_qwen_export
 
 from mirrorsd.devices import kernels
 from mirrorsd.devices.kernels.logits_rows import LOGITS_FROM, logits_from_input
 from mirrorsd.devices.placement import DeviceRequest
-from mirrorsd.export.pipeline import ExportOptions, export
 from mirrorsd.runtime import GenerationConfig, Pipeline
 
 ort = pytest.importorskip("onnxruntime")
@@ -26,19 +24,11 @@ PROMPTS = [[1, 17, 42, 99, 7, 3, 3, 250, 12, 8, 17], [5, 6, 7, 5, 6, 7, 5, 6], l
 
 @pytest.fixture(scope="module")
 def lib():
-    library = library_or_skip()
-    if kernels.unavailable_reason():
-        pytest.skip(f"mirrorsd's kernels cannot run here: {kernels.unavailable_reason()}")
-    return library
+    return kernels_or_skip()
 
 
 def tiny_export(tmp_path_factory, precision: str):
-    source = build_model(tmp_path_factory.mktemp(f"rows-{precision}-src"), "qwen2", layers=3, hidden=256, heads=8,
-                         kv_heads=2)
-    out = tmp_path_factory.mktemp(f"rows-{precision}") / "q"
-    export(ExportOptions(model=source, output=out, draft_layers=2, target_precision=precision,
-                         draft_precision=precision))
-    return out
+    return tiny_qwen_export(tmp_path_factory, "rows", precision)
 
 
 @pytest.fixture(scope="module")
