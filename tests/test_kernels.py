@@ -83,9 +83,10 @@ def prefetch_setting(lib) -> int:
 
 
 def test_prefetch_follows_the_setting_and_changes_no_bit(lib, monkeypatch):
-    """MIRRORSD_KERNELS_PREFETCH=0/1 turns the tiles' prefetching off/on; unset, it is on except for the AVX-512 path
-    on a CPU that is not Intel's (the vendor /proc/cpuinfo names). Every path this CPU runs gives the same bits either
-    way, with and without zero points and in super-blocks."""
+    """MIRRORSD_KERNELS_PREFETCH=0/1 turns the tiles' prefetching off/on, N on for tiles of N rows or more, anything
+    else is ignored; unset, it is on except for the AVX-512 path on a CPU that is not Intel's (the vendor
+    /proc/cpuinfo names). Every path this CPU runs gives the same bits every way, with and without zero points and
+    in super-blocks (7 rows: one tile of 7 on the AVX-512 and AMX paths, tiles of 4 and 3 on the AVX2 path)."""
     monkeypatch.delenv("MIRRORSD_KERNELS_PREFETCH", raising=False)
     monkeypatch.delenv(kernels.ISA_ENV, raising=False)
     vendor = next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")), "")
@@ -94,9 +95,15 @@ def test_prefetch_follows_the_setting_and_changes_no_bit(lib, monkeypatch):
         expected = 0 if path == "avx512vnni" and vendor != "GenuineIntel" else 1
         assert prefetch_setting(lib) == expected, (path, vendor)
     monkeypatch.delenv(kernels.ISA_ENV, raising=False)
-    for value in ("0", "1"):
+    for value in ("0", "1", "4"):
         monkeypatch.setenv("MIRRORSD_KERNELS_PREFETCH", value)
         assert prefetch_setting(lib) == int(value)
+    monkeypatch.setenv("MIRRORSD_KERNELS_PREFETCH", "1")
+    on = prefetch_setting(lib)
+    monkeypatch.delenv("MIRRORSD_KERNELS_PREFETCH")
+    default = prefetch_setting(lib)
+    monkeypatch.setenv("MIRRORSD_KERNELS_PREFETCH", "yes")
+    assert prefetch_setting(lib) == default and on == 1
     rng = np.random.default_rng(30)
     models = [model_bytes(random_layers(rng, [512, 300, 64], 4, zero_points=zp), kernels.DOMAIN) for zp in (False, True)]
     models.append(model_bytes(q4k_layers(rng, [512, 256, 64]), kernels.DOMAIN))
@@ -104,10 +111,11 @@ def test_prefetch_follows_the_setting_and_changes_no_bit(lib, monkeypatch):
     for path in (p for p in PATHS if lib.paths.get(p)):
         for model in models:
             got = {}
-            for value in ("0", "1"):
+            for value in ("0", "1", "4"):
                 monkeypatch.setenv("MIRRORSD_KERNELS_PREFETCH", value)
                 got[value] = run(open_session(model, monkeypatch, 2, isa=path), a)
             np.testing.assert_array_equal(got["0"], got["1"], err_msg=path)
+            np.testing.assert_array_equal(got["0"], got["4"], err_msg=path)
 
 
 @ZERO_POINTS

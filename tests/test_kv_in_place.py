@@ -217,6 +217,24 @@ def test_the_pipeline_writes_the_target_cache_in_place_and_every_mode_gives_ars_
     assert [row[:12] for row in batch] == [runs[i, "ar"][:12] for i in range(len(prompts()))]
 
 
+def test_a_planned_load_predicts_the_placement_that_opening_reports(lib, int4_export):
+    """A plan_from_profile load (mode auto) looks its cached profile up by the placement it predicts before opening
+    (runtime/planner/loading.py); with the load-time rewrites of int4 graphs the prediction must carry the marks
+    opening reports ([KV in place], [fused attention]), or the profile `mirrorsd devices --profile` measured is never
+    found before opening."""
+    from mirrorsd.devices.placement import plan_placement
+    from mirrorsd.runtime.planner.loading import predicted_placement
+
+    for in_place, fused in ((True, True), (False, True), (False, False)):
+        request = DeviceRequest(kernels="mirrorsd", target_kv_in_place=in_place, draft_kv_in_place=in_place,
+                                fused_draft_attention=fused, spin_in_run=True)
+        with Pipeline.load(int4_export, request) as pipe:
+            plan = plan_placement(pipe.manifest, request)
+            assert predicted_placement(int4_export, pipe.manifest, plan, False, True, request) == pipe.placement
+            assert (KV_IN_PLACE_MARK in pipe.placement["draft"]) == in_place
+            assert ("[fused attention]" in pipe.placement["draft"]) == (fused and not in_place)
+
+
 def test_the_draft_in_place_rolls_out_the_windows_branches_and_adopted_cache_of_the_fused_draft(lib, int4_export):
     """The draft's cache written in place (InPlaceAttention, ViewCache) against the fused draft (GroupedAttention,
     KVCache, presents copied back), on one prompt each: the same fresh window and top ids, the same branch rows

@@ -119,7 +119,7 @@ def before_opening(folder: Path, manifest, devices) -> LoadChoice:
     opened = LoadChoice(devices, threads, chosen, None, plan)
     if not devices.plan_from_profile:
         return opened
-    placement = predicted_placement(folder, manifest, plan, shared, bool(devices.spin_in_run))
+    placement = predicted_placement(folder, manifest, plan, shared, bool(devices.spin_in_run), devices)
     first_pool = thread_pool.shared_size() or (threads[0] if shared else None)  # what opening the pick would make
     if placement is None or (shared and threads[0] != threads[1] and thread_pool.shared_size() is None):
         return replace(opened, confirm=True)  # (unequal threads on a new pool: opening says what is wrong)
@@ -131,19 +131,24 @@ def before_opening(folder: Path, manifest, devices) -> LoadChoice:
     return LoadChoice(request, choice.threads.threads, choice.threads, choice)
 
 
-def predicted_placement(folder: Path, manifest, plan, shared: bool, spin_in_run: bool = False
+def predicted_placement(folder: Path, manifest, plan, shared: bool, spin_in_run: bool = False, devices=None
                         ) -> dict[str, str] | None:
     """Graph role -> Placement.describe() that opening ``plan`` would report, or None when a graph goes to a device
     other than ONNX Runtime's CPU (what runs it there is read back from the open session) or a graph file cannot
-    be read (opening it says what is wrong, as it would without a plan)."""
+    be read (opening it says what is wrong, as it would without a plan). ``devices`` (the DeviceRequest; default:
+    DeviceRequest()) says which load-time rewrites opening asks for where mirrorsd's kernels run a graph."""
+    from mirrorsd import names
     from mirrorsd.devices.kernels.rewrite import imports_ort_domain
-    from mirrorsd.devices.placement import Placement
+    from mirrorsd.devices.placement import DeviceRequest, Placement
     from mirrorsd.errors import MirrorSDError
     from mirrorsd.manifest import check_inside
     from mirrorsd.runtime.open_graphs import graphs_to_open
 
+    devices = devices or DeviceRequest()
+    graphs = graphs_to_open(manifest, plan)
+    draft_in_place = devices.draft_kv_in_place and all(role != names.DRAFT_STREAMING for role, *_ in graphs)
     found = {}
-    for role, spec, model, _ in graphs_to_open(manifest, plan):
+    for role, spec, model, _ in graphs:
         decision = plan.decision(model)
         if not _on_ort_cpu(decision):
             return None
@@ -154,9 +159,13 @@ def predicted_placement(folder: Path, manifest, plan, shared: bool, spin_in_run:
                 kernels = "mirrorsd" if imports_ort_domain(path) else "ort"
             except (MirrorSDError, OSError):
                 return None
+        in_place = fused = 0
+        if kernels == "mirrorsd":  # the rewrites opening applies (devices/backends.py), predicted from the request
+            in_place = int(bool(spec.kv) and (devices.target_kv_in_place if model == "target" else draft_in_place))
+            fused = int(model == "draft" and devices.fused_draft_attention and not in_place)
         found[role] = Placement(spec.model, decision.requested, CPU_PROVIDER, "onnxruntime", decision.fell_back,
                                 decision.reason, decision.static, kernels, decision.choice.label, shared,
-                                spin_in_run or shared).describe()
+                                spin_in_run or shared, fused, in_place).describe()
     return found
 
 

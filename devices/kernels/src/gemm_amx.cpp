@@ -124,7 +124,7 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
   const uint8_t* p = panel;
   int64_t blk = 0;
   for (; blk + 2 <= s.kb; blk += 2, p += 2 * stride) {
-    for (int64_t line = 0; s.prefetch && line < 2 * stride; line += 64)
+    for (int64_t line = 0; s.prefetch_for(MT) && line < 2 * stride; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * stride + line), _MM_HINT_T0);
     block_product_0<BITS>(p, a, m0, blk, buffer[0]);
     block_product_1<BITS>(p + stride, a, m0, blk + 1, buffer[1]);

@@ -102,7 +102,7 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
   const int32_t* corr = &a.corr[static_cast<size_t>(m0)];
   const float* qsum = OFFSETS ? &a.qsum[static_cast<size_t>(m0)] : nullptr;
   for (int64_t blk = 0; blk < s.kb; ++blk, p += stride, q += a.rows * kBlock, ascale += a.rows, corr += a.rows) {
-    for (int64_t line = 0; s.prefetch && line < stride; line += 64)
+    for (int64_t line = 0; s.prefetch_for(MT) && line < stride; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * stride + line), _MM_HINT_T0);
     __m256i d[MT];
     block_dots<MT, BITS>(p, q, corr, d);
@@ -151,7 +151,7 @@ void superblock_tile(const Shape& s, const uint8_t* panel, const QuantizedRows& 
     const __m256 d = _mm256_load_ps(reinterpret_cast<const float*>(p));
     const __m256 dmin = _mm256_load_ps(reinterpret_cast<const float*>(p) + kColumns);
     for (int64_t j = 0; j < B; ++j, q += a.rows * kBlock, ascale += a.rows, corr += a.rows, qsum += a.rows) {
-      for (int64_t line = 0; s.prefetch && line < lines; ++line)
+      for (int64_t line = 0; s.prefetch_for(MT) && line < lines; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(p + kSuperAhead + (j * lines + line) * 64), _MM_HINT_T0);
       __m256i dots[MT];
       block_dots<MT, 4>(p + kSuperHead + j * kSuperWeights, q, corr, dots);

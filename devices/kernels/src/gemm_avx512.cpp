@@ -27,11 +27,41 @@ constexpr int kRows = 8;          // rows per tile (8 float accumulators + 8 wei
 // Qwen pair 7-10 % (docs/lab-notes/performance-log.md, "Packed weights in huge pages"). Distances 4-32 were no better.
 constexpr int64_t kAhead = 8;
 
-inline __m512i broadcast4(const int8_t* q) {  // 4 activation bytes to every 32-bit lane
+// acc + vpdpbusd(w, the 4 activation bytes at q in every 32-bit lane). With GCC or Clang the bytes are the
+// instruction's broadcast memory operand ({1to16}), which GCC 12 does not fold from _mm512_set1_epi32 itself: a
+// separate vpbroadcastd per step took issue slots from the vpdpbusd, and a tile of 5 rows issues 40 of each per block.
+inline __m512i dot4(__m512i acc, __m512i w, const int8_t* q) {
+#if defined(__GNUC__)
+  typedef int32_t bytes4 __attribute__((may_alias));
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const bytes4*>(q)));
+  return acc;
+#else
   int32_t v;
   std::memcpy(&v, q, 4);
-  return _mm512_set1_epi32(v);
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(v));
+#endif
 }
+
+// A tile's view of A's quantized blocks (QuantizedRows: [kb][rows][...]): running pointers at the tile's first row,
+// advanced one block at a time, so row m of the tile is a constant offset (32 m bytes of q, m of the per-block
+// arrays). Computing each row's pointers per block instead (a.block_q(m0 + m, blk), ...) took a multiplication and
+// several moves per row and block, and with 4 pointers per row a tile of 5 rows ran out of general registers.
+struct RowCursor {
+  const int8_t* q;
+  const float* scale;
+  const int32_t* corr;
+  const float* qsum;
+  int64_t rows;
+  RowCursor(const QuantizedRows& a, int64_t m0, bool offsets)
+      : q(a.q.data() + m0 * kBlock), scale(a.scale.data() + m0), corr(a.corr.data() + m0),
+        qsum(offsets ? a.qsum.data() + m0 : nullptr), rows(a.rows) {}
+  void next() {
+    q += rows * kBlock;
+    scale += rows;
+    corr += rows;
+    if (qsum) qsum += rows;
+  }
+};
 
 // Weights of one block as 8 vectors, each 16 columns x 4 k (unsigned bytes).
 template <int BITS>
@@ -76,28 +106,27 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* p = panel;
-  for (int64_t blk = 0; blk < s.kb; ++blk, p += stride) {
-    for (int64_t line = 0; s.prefetch && line < stride; line += 64)
+  RowCursor r(a, m0, OFFSETS);
+  for (int64_t blk = 0; blk < s.kb; ++blk, p += stride, r.next()) {
+    for (int64_t line = 0; s.prefetch_for(MT) && line < stride; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * stride + line), _MM_HINT_T1);
     __m512i w[8];
     load_block<BITS>(p, w);
     __m512i d[MT][C];
-    const int8_t* q[MT];
     for (int m = 0; m < MT; ++m) {
-      q[m] = a.block_q(m0 + m, blk);
-      d[m][0] = _mm512_set1_epi32(a.block_corr(m0 + m, blk));  // -zero_point * sum(q): d = sum (w - zp) * q
+      d[m][0] = _mm512_set1_epi32(r.corr[m]);  // -zero_point * sum(q): d = sum (w - zp) * q
       for (int c = 1; c < C; ++c) d[m][c] = _mm512_setzero_si512();
     }
     for (int v = 0; v < 8; ++v)  // rows innermost: consecutive vpdpbusd are independent
-      for (int m = 0; m < MT; ++m) d[m][v % C] = _mm512_dpbusd_epi32(d[m][v % C], w[v], broadcast4(q[m] + 4 * v));
+      for (int m = 0; m < MT; ++m) d[m][v % C] = dot4(d[m][v % C], w[v], r.q + kBlock * m + 4 * v);
     const __m512 wscale = _mm512_load_ps(reinterpret_cast<const float*>(p + wbytes));
     for (int m = 0; m < MT; ++m) {
       for (int c = 1; c < C; ++c) d[m][0] = _mm512_add_epi32(d[m][0], d[m][c]);
-      const __m512 ascale = _mm512_set1_ps(a.block_scale(m0 + m, blk));
+      const __m512 ascale = _mm512_set1_ps(r.scale[m]);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[m][0]), _mm512_mul_ps(wscale, ascale), acc[m]);
       if constexpr (OFFSETS) {  // step 3's second fma: + float(qsum) * (u * a_scale)
         const __m512 offsets = _mm512_load_ps(reinterpret_cast<const float*>(p + wbytes) + kColumns);
-        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(a.block_qsum(m0 + m, blk)), _mm512_mul_ps(offsets, ascale), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(r.qsum[m]), _mm512_mul_ps(offsets, ascale), acc[m]);
       }
     }
   }
@@ -128,25 +157,22 @@ void superblock_tile(const Shape& s, const uint8_t* panel, const QuantizedRows& 
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* p = panel;
+  RowCursor r(a, m0, true);
   for (int64_t t = 0; t < s.kb / B; ++t, p += kSuperStride) {
     const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(p));
     const __m512 dmin = _mm512_load_ps(reinterpret_cast<const float*>(p) + kColumns);
     for (int64_t j = 0; j < B; ++j) {
-      for (int64_t line = 0; s.prefetch && line < lines; ++line)
+      for (int64_t line = 0; s.prefetch_for(MT) && line < lines; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(p + kSuperAhead + (j * lines + line) * 64), _MM_HINT_T1);
-      const int64_t blk = t * B + j;
       __m512i w[8];
       load_block<4>(p + kSuperHead + j * kSuperWeights, w);
       __m512i dot[MT][C];
-      const int8_t* q[MT];
       for (int m = 0; m < MT; ++m) {
-        q[m] = a.block_q(m0 + m, blk);
-        dot[m][0] = _mm512_set1_epi32(a.block_corr(m0 + m, blk));
+        dot[m][0] = _mm512_set1_epi32(r.corr[m]);
         for (int c = 1; c < C; ++c) dot[m][c] = _mm512_setzero_si512();
       }
       for (int v = 0; v < 8; ++v)
-        for (int m = 0; m < MT; ++m)
-          dot[m][v % C] = _mm512_dpbusd_epi32(dot[m][v % C], w[v], broadcast4(q[m] + 4 * v));
+        for (int m = 0; m < MT; ++m) dot[m][v % C] = dot4(dot[m][v % C], w[v], r.q + kBlock * m + 4 * v);
       // superblock_scale, superblock_zero_point (0 where the scale is 0), then offset(): (center - zp) * scale
       const __m512 wscale = _mm512_mul_ps(bytes_as_floats(p + 2 * kColumns * 4 + j * kColumns), d);
       const __m512 mins = _mm512_mul_ps(bytes_as_floats(p + 2 * kColumns * 4 + (B + j) * kColumns), dmin);
@@ -154,10 +180,11 @@ void superblock_tile(const Shape& s, const uint8_t* panel, const QuantizedRows& 
       const __m512 offsets = _mm512_mul_ps(_mm512_sub_ps(center, zp), wscale);
       for (int m = 0; m < MT; ++m) {
         for (int c = 1; c < C; ++c) dot[m][0] = _mm512_add_epi32(dot[m][0], dot[m][c]);
-        const __m512 ascale = _mm512_set1_ps(a.block_scale(m0 + m, blk));
+        const __m512 ascale = _mm512_set1_ps(r.scale[m]);
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][0]), _mm512_mul_ps(wscale, ascale), acc[m]);
-        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(a.block_qsum(m0 + m, blk)), _mm512_mul_ps(offsets, ascale), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(r.qsum[m]), _mm512_mul_ps(offsets, ascale), acc[m]);
       }
+      r.next();
     }
   }
   store_rows<MT>(acc, s, m0, n0, bias, y);

@@ -101,14 +101,18 @@ std::string node_name(const OrtApi* api, const OrtKernelInfo* info) {
   return name.c_str();  // drops the terminating zero
 }
 
-bool prefetch_wanted(const Path& path) {
+int prefetch_wanted(const Path& path) {
   const char* value = std::getenv("MIRRORSD_KERNELS_PREFETCH");
-  if (value && *value) return std::strcmp(value, "0") != 0;
+  if (value && *value) {
+    char* end = nullptr;
+    const long rows = std::strtol(value, &end, 10);
+    if (*end == '\0' && rows >= 0) return rows > 64 ? 64 : static_cast<int>(rows);  // (no tile has 64 rows)
+  }
 #if defined(__x86_64__) || defined(_M_X64)
-  return &path != &avx512_path() || __builtin_cpu_is("intel");
+  return &path != &avx512_path() || __builtin_cpu_is("intel") ? 1 : 0;
 #else
   (void)path;
-  return true;
+  return 1;
 #endif
 }
 
@@ -170,7 +174,7 @@ OrtStatus* Kernel::check_optional_inputs(const OrtKernelInfo* info) {
     return error(ORT_NOT_IMPLEMENTED, "g_idx is given (act-order weights are not handled)",
                  "run the node with ONNX Runtime's own kernel");
   shape_.offsets = input_present(api_, info, kZeroPoints);
-  shape_.prefetch = prefetch_wanted(*path_);
+  shape_.prefetch_from = prefetch_wanted(*path_);
   return nullptr;
 }
 

@@ -26,12 +26,15 @@ bool superblocks_wanted();
 // MatMulNBits nodes packed in a super-block layout since the library was loaded (mirrorsd_kern_superblock_nodes).
 size_t superblock_nodes();
 
-// Whether the tiles of `path` prefetch B ahead of the stream (Shape::prefetch): MIRRORSD_KERNELS_PREFETCH=1 or 0 when
-// set (read when a session creates its kernels), else yes, except the AVX-512 path on a CPU that is not Intel's.
-// Measured on the Qwen pair: an Intel Xeon VM (Sapphire Rapids class) ran sd 7-10 % faster with the AVX-512 path's
-// prefetch; on an AMD EPYC (Zen 4 class) that path ran ar 4-7 % and sd 3-5 % faster without it, while its AVX2 path
-// ran sd 5-6 % faster with its own (docs/lab-notes/performance-log.md). It never changes a result.
-bool prefetch_wanted(const Path& path);
+// The fewest rows a tile of `path` has when it prefetches B ahead of the stream (Shape::prefetch_from; 0: no tile
+// does; it never changes a result): MIRRORSD_KERNELS_PREFETCH when set to a number (read when a session creates its
+// kernels: 0 none, 1 every tile, N tiles of N rows or more; anything else is ignored); else 1, except the AVX-512
+// path on a CPU that is not Intel's, which does not prefetch. Measured on the Qwen pair: an Intel Xeon VM (Sapphire
+// Rapids class) ran sd 7-10 % faster with the AVX-512 path's prefetch; on an AMD EPYC (Zen 4 class) that path ran
+// ar 4-7 % and sd 3-5 % faster without it, and prefetching in tiles of 2 or more rows only made target forwards of
+// 2-4 rows 7-28 % slower there and 5 rows 2-3 % faster (docs/bench/epyc-2026-12-08/); its AVX2 path ran sd 5-6 %
+// faster with its own (docs/lab-notes/performance-log.md).
+int prefetch_wanted(const Path& path);
 
 // A tensor's data, dimensions, element count and element type (read through the API).
 struct TensorView {

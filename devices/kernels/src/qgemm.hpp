@@ -34,7 +34,10 @@ struct Shape {
   int64_t kb = 0;  // blocks per column: ceil(K / 32)
   int bits = 4;    // 4 or 8
   bool offsets = false;  // float zero points given: the packed B holds an offset u per (column, block) (step 3)
-  bool prefetch = true;  // the tiles prefetch B ahead of the stream (kernel.hpp: prefetch_wanted; no effect on results)
+  // Tiles of at least this many rows prefetch B ahead of the stream; 0: none (kernel.hpp: prefetch_wanted; no
+  // effect on results).
+  int prefetch_from = 1;
+  bool prefetch_for(int tile_rows) const { return prefetch_from > 0 && tile_rows >= prefetch_from; }
   int zero_point() const { return bits == 4 ? 8 : 128; }  // the center of step 2
   int64_t blob() const { return kBlock * bits / 8; }  // bytes of one block of one column in ONNX Runtime's layout
 };

@@ -208,12 +208,13 @@ ORT_EXPORT void mirrorsd_kern_arena_counts(size_t out[3]) {
   out[0] = counts.chunks, out[1] = counts.reserved, out[2] = counts.live;
 }
 
-// 1 when kernels created now (on the path MIRRORSD_KERNELS_ISA or the CPU picks) prefetch B ahead of the stream,
-// 0 when not, -1 when no path runs (kernel.hpp: prefetch_wanted).
+// The fewest rows a tile of kernels created now (on the path MIRRORSD_KERNELS_ISA or the CPU picks) has when it
+// prefetches B ahead of the stream: 1 every tile, 0 none, N tiles of N rows or more; -1 when no path runs (kernel.hpp:
+// prefetch_wanted).
 ORT_EXPORT int mirrorsd_kern_prefetch() {
   std::string why;
   const mirrorsd_kern::Path* path = mirrorsd_kern::select_path(why);
-  return path ? (mirrorsd_kern::prefetch_wanted(*path) ? 1 : 0) : -1;
+  return path ? mirrorsd_kern::prefetch_wanted(*path) : -1;
 }
 
 // MatMulNBits nodes packed in a super-block layout since the library was loaded (qgemm.hpp: SuperBlocks).
