@@ -6,7 +6,8 @@ target passes by rows, draft forwards by rows (the draft's prefill of the prompt
         MODES: comma-separated bench-like settings, e.g. ar,sd-stop-ngram (sd-stop: --draft-confidence 0.8;
         -ngram: n-gram proposer on; a suffix runs the mode on a pipeline of its own: +fused-draft, the draft keeps
         the fused attention and the copied cache (DeviceRequest.draft_kv_in_place=False); +all-rows, every row of
-        a prompt's chunks and of a rollout's forwards scored (prompt_last_row_only=False))
+        a prompt's chunks and of a rollout's forwards scored (prompt_last_row_only=False); +no-prefetch, the
+        kernel's tiles not prefetching (MIRRORSD_KERNELS_PREFETCH=0 while that pipeline loads))
 
 Modes alternate prompt by prompt in one process, so their rows are comparable within the run. PROMPT_FILE: one
 prompt, that file's text (chat template applied), instead of the SpecBench questions (a long context).
@@ -14,6 +15,7 @@ prompt, that file's text (chat template applied), instead of the SpecBench quest
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +29,22 @@ from mirrorsd.runtime.session import GraphSession
 PREFILL_ROWS = 16  # a draft call with more rows than this is its prefill of the prompt
 
 
-VARIANTS = {"": {}, "+fused-draft": {"draft_kv_in_place": False}, "+all-rows": {"prompt_last_row_only": False}}
+VARIANTS = {"": {}, "+fused-draft": {"draft_kv_in_place": False}, "+all-rows": {"prompt_last_row_only": False},
+            "+no-prefetch": {}}
+ENVIRONMENTS = {"+no-prefetch": {"MIRRORSD_KERNELS_PREFETCH": "0"}}  # set while the variant's pipeline loads
+
+
+def load(folder: str, variant: str) -> Pipeline:
+    saved = {name: os.environ.get(name) for name in ENVIRONMENTS.get(variant, {})}
+    os.environ.update(ENVIRONMENTS.get(variant, {}))
+    try:
+        return Pipeline.load(folder, DeviceRequest(spin_in_run=True, **VARIANTS[variant]))
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def variant_of(mode: str) -> str:
@@ -57,8 +74,7 @@ def main(folder: str, modes: list[str], tokens: int, per_category: int, prompt_f
     GraphSession.run = timed
     totals = {m: collections.Counter() for m in modes}
     counts = {m: collections.Counter() for m in modes}
-    pipes = {variant: Pipeline.load(folder, DeviceRequest(spin_in_run=True, **VARIANTS[variant]))
-             for variant in sorted({variant_of(mode) for mode in modes})}
+    pipes = {variant: load(folder, variant) for variant in sorted({variant_of(mode) for mode in modes})}
     try:
         for pipe in pipes.values():
             pipe.generate("Say hello.", GenerationConfig(mode="sd", max_new_tokens=8))

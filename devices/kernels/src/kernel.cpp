@@ -109,7 +109,7 @@ int prefetch_wanted(const Path& path) {
     if (*end == '\0' && rows >= 0) return rows > 64 ? 64 : static_cast<int>(rows);  // (no tile has 64 rows)
   }
 #if defined(__x86_64__) || defined(_M_X64)
-  return &path != &avx512_path() || __builtin_cpu_is("intel") ? 1 : 0;
+  return &path != &avx512_path() || __builtin_cpu_is("intel") ? 1 : kAvx512PrefetchFromElsewhere;
 #else
   (void)path;
   return 1;

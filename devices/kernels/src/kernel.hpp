@@ -28,12 +28,14 @@ size_t superblock_nodes();
 
 // The fewest rows a tile of `path` has when it prefetches B ahead of the stream (Shape::prefetch_from; 0: no tile
 // does; it never changes a result): MIRRORSD_KERNELS_PREFETCH when set to a number (read when a session creates its
-// kernels: 0 none, 1 every tile, N tiles of N rows or more; anything else is ignored); else 1, except the AVX-512
-// path on a CPU that is not Intel's, which does not prefetch. Measured on the Qwen pair: an Intel Xeon VM (Sapphire
-// Rapids class) ran sd 7-10 % faster with the AVX-512 path's prefetch; on an AMD EPYC (Zen 4 class) that path ran
-// ar 4-7 % and sd 3-5 % faster without it, and prefetching in tiles of 2 or more rows only made target forwards of
-// 2-4 rows 7-28 % slower there and 5 rows 2-3 % faster (docs/bench/epyc-2026-12-08/); its AVX2 path ran sd 5-6 %
-// faster with its own (docs/lab-notes/performance-log.md).
+// kernels: 0 none, 1 every tile, N tiles of N rows or more; anything else is ignored); else 1 (every tile), except
+// the AVX-512 path on a CPU that is not Intel's: kAvx512PrefetchFromElsewhere. Measured on the Qwen pair: an Intel
+// Xeon VM (Sapphire Rapids class) ran sd 7-10 % faster with the AVX-512 path's prefetch; on an AMD EPYC (Zen 4 class)
+// that path ran ar 4-7 % and sd 3-5 % faster without it in every tile, and with it in tiles of 5 rows or more only,
+// target forwards of 5-8 rows ran 4-18 % faster and of 1-4 rows as fast (tiles of 2-4 rows prefetching made their
+// forwards 6-28 % slower there: docs/bench/epyc-2026-12-08/kernel-tiles.md); its AVX2 path ran sd 5-6 % faster with
+// its own (docs/lab-notes/performance-log.md).
+constexpr int kAvx512PrefetchFromElsewhere = 5;
 int prefetch_wanted(const Path& path);
 
 // A tensor's data, dimensions, element count and element type (read through the API).
