@@ -29,7 +29,7 @@ constexpr int64_t kAhead = 8;
 
 // acc + vpdpbusd(w, the 4 activation bytes at q in every 32-bit lane). With GCC or Clang the bytes are the
 // instruction's broadcast memory operand ({1to16}), which GCC 12 does not fold from _mm512_set1_epi32 itself: a
-// separate vpbroadcastd per step took issue slots from the vpdpbusd, and a tile of 5 rows issues 40 of each per block.
+// separate vpbroadcastd per step (40 per block in a tile of 5 rows) and its register cost the compute-bound tiles.
 inline __m512i dot4(__m512i acc, __m512i w, const int8_t* q) {
 #if defined(__GNUC__)
   typedef int32_t bytes4 __attribute__((may_alias));
