@@ -405,12 +405,11 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
     on_ort_cpu = choice.backend == "onnxruntime" and choice.device == "cpu"
     shared = bool(request.shared_pool) and on_ort_cpu
     spinning = spins(request, on_ort_cpu, shared)
+    in_place, fused = requested_rewrites(request, model)
     settings = SessionSettings(choice.device, threads, "f32", fixed_shapes=decision.static and
                                choice.backend == "openvino", openvino=tuning, kv_pairs=kv_pairs(kv), kernels=kernels,
                                shared_pool=shared, spin_in_run=spinning and not shared,
-                               fuse_attention=model == "draft" and request.fused_draft_attention,
-                               kv_in_place=request.target_kv_in_place if model == "target"
-                               else request.draft_kv_in_place,
+                               fuse_attention=fused, kv_in_place=in_place,
                                logits_output=logits if request.prompt_last_row_only else "")
     session = BACKENDS[choice.backend](path, settings)
     fell_back, reason = decision.fell_back, decision.reason
@@ -424,6 +423,14 @@ def open_graph(path: Path, model: str, request: DeviceRequest, threads: int, dec
     return session, Placement(model, decision.requested, session.effective, choice.backend, fell_back, reason,
                               decision.static, getattr(session, "kernels", "ort"), choice.label, shared, spinning,
                               getattr(session, "fused_attention", 0), len(getattr(session, "kv_in_place", [])))
+
+
+def requested_rewrites(request: DeviceRequest, model: str) -> tuple[bool, bool]:
+    """(KV cache in place, fused attention): the load-time rewrites ``request`` asks for ``model``'s graphs where
+    mirrorsd's kernels run them (devices/backends.py applies them where a graph's layers take them, the fused
+    attention only where the cache is not in place)."""
+    in_place = request.target_kv_in_place if model == "target" else request.draft_kv_in_place
+    return in_place, model == "draft" and request.fused_draft_attention
 
 
 def spins(request: DeviceRequest, on_ort_cpu: bool, shared: bool) -> bool:

@@ -31,6 +31,14 @@ def graphs_to_open(manifest: Manifest, plan) -> list[tuple[str, object, str, boo
     return graphs
 
 
+def request_for(devices, graphs):
+    """``devices`` as opening ``graphs`` (graphs_to_open) applies it: beside a streaming draft the draft's cache is not
+    written in place (both draft graphs feed one cache, as exported)."""
+    if any(role == names.DRAFT_STREAMING for role, *_ in graphs):
+        return replace(devices, draft_kv_in_place=False)
+    return devices
+
+
 def open_sessions(folder: Path, manifest: Manifest, devices, threads: tuple[int, int], plan=None
                   ) -> tuple[dict, dict]:
     """(sessions, placements) of every graph, with ``threads`` intra-op threads (target, draft); ``plan`` is the
@@ -43,8 +51,7 @@ def open_sessions(folder: Path, manifest: Manifest, devices, threads: tuple[int,
     devices = replace(devices, shared_pool=thread_pool.resolve(devices.shared_pool, threads,
                                                                thread_pool.shared_size()))
     graphs = graphs_to_open(manifest, plan)
-    if any(role == names.DRAFT_STREAMING for role, *_ in graphs):  # both draft graphs feed one cache as exported
-        devices = replace(devices, draft_kv_in_place=False)
+    devices = request_for(devices, graphs)
     sessions, placements = {}, {}
     for role, spec, model, with_kv in graphs:
         logits = spec.output_names()[0] if role in (names.SUFFIX, names.DRAFT) else ""  # their LM heads

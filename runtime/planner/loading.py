@@ -137,16 +137,14 @@ def predicted_placement(folder: Path, manifest, plan, shared: bool, spin_in_run:
     other than ONNX Runtime's CPU (what runs it there is read back from the open session) or a graph file cannot
     be read (opening it says what is wrong, as it would without a plan). ``devices`` (the DeviceRequest; default:
     DeviceRequest()) says which load-time rewrites opening asks for where mirrorsd's kernels run a graph."""
-    from mirrorsd import names
     from mirrorsd.devices.kernels.rewrite import imports_ort_domain
-    from mirrorsd.devices.placement import DeviceRequest, Placement
+    from mirrorsd.devices.placement import DeviceRequest, Placement, requested_rewrites
     from mirrorsd.errors import MirrorSDError
     from mirrorsd.manifest import check_inside
-    from mirrorsd.runtime.open_graphs import graphs_to_open
+    from mirrorsd.runtime.open_graphs import graphs_to_open, request_for
 
-    devices = devices or DeviceRequest()
     graphs = graphs_to_open(manifest, plan)
-    draft_in_place = devices.draft_kv_in_place and all(role != names.DRAFT_STREAMING for role, *_ in graphs)
+    devices = request_for(devices or DeviceRequest(), graphs)
     found = {}
     for role, spec, model, _ in graphs:
         decision = plan.decision(model)
@@ -160,9 +158,10 @@ def predicted_placement(folder: Path, manifest, plan, shared: bool, spin_in_run:
             except (MirrorSDError, OSError):
                 return None
         in_place = fused = 0
-        if kernels == "mirrorsd":  # the rewrites opening applies (devices/backends.py), predicted from the request
-            in_place = int(bool(spec.kv) and (devices.target_kv_in_place if model == "target" else draft_in_place))
-            fused = int(model == "draft" and devices.fused_draft_attention and not in_place)
+        if kernels == "mirrorsd":  # the rewrites opening applies, predicted: a cache in place needs a graph with one
+            wants_in_place, wants_fused = requested_rewrites(devices, model)
+            in_place = int(wants_in_place and bool(spec.kv))
+            fused = int(wants_fused and not in_place)
         found[role] = Placement(spec.model, decision.requested, CPU_PROVIDER, "onnxruntime", decision.fell_back,
                                 decision.reason, decision.static, kernels, decision.choice.label, shared,
                                 spin_in_run or shared, fused, in_place).describe()

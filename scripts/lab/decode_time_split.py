@@ -15,7 +15,6 @@ prompt, that file's text (chat template applied), instead of the SpecBench quest
 from __future__ import annotations
 
 import collections
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,25 +25,20 @@ from mirrorsd.runtime import GenerationConfig, Pipeline
 from mirrorsd.runtime.models import PREFILL_CHUNK
 from mirrorsd.runtime.session import GraphSession
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_setting_ab import environment  # noqa: E402  (the same settings, set while a pipeline loads)
+
 PREFILL_ROWS = 16  # a draft call with more rows than this is its prefill of the prompt
 
 
 VARIANTS = {"": {}, "+fused-draft": {"draft_kv_in_place": False}, "+all-rows": {"prompt_last_row_only": False},
             "+no-prefetch": {}}
-ENVIRONMENTS = {"+no-prefetch": {"MIRRORSD_KERNELS_PREFETCH": "0"}}  # set while the variant's pipeline loads
+SETTINGS = {"+no-prefetch": "MIRRORSD_KERNELS_PREFETCH=0"}  # kernel settings in force while the variant loads
 
 
 def load(folder: str, variant: str) -> Pipeline:
-    saved = {name: os.environ.get(name) for name in ENVIRONMENTS.get(variant, {})}
-    os.environ.update(ENVIRONMENTS.get(variant, {}))
-    try:
+    with environment(SETTINGS.get(variant, "default")):
         return Pipeline.load(folder, DeviceRequest(spin_in_run=True, **VARIANTS[variant]))
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def variant_of(mode: str) -> str:

@@ -25,8 +25,7 @@ import numpy as np
 
 from mirrorsd.devices.placement import DeviceRequest
 from mirrorsd.runtime import Pipeline
-
-PREFILL_CHUNK = 256
+from mirrorsd.runtime.models import PREFILL_CHUNK
 
 
 @contextmanager
