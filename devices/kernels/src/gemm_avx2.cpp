@@ -97,25 +97,21 @@ void tile_rows(const Shape& s, const uint8_t* panel, const QuantizedRows& a, int
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   const uint8_t* p = panel;
-  const int8_t* q = a.block_q(m0, 0);
-  const float* ascale = &a.scale[static_cast<size_t>(m0)];
-  const int32_t* corr = &a.corr[static_cast<size_t>(m0)];
-  const float* qsum = OFFSETS ? &a.qsum[static_cast<size_t>(m0)] : nullptr;
-  for (int64_t blk = 0; blk < s.kb; ++blk, p += stride, q += a.rows * kBlock, ascale += a.rows, corr += a.rows) {
+  RowCursor r(a, m0, OFFSETS);
+  for (int64_t blk = 0; blk < s.kb; ++blk, p += stride, r.next()) {
     for (int64_t line = 0; s.prefetch_for(MT) && line < stride; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * stride + line), _MM_HINT_T0);
     __m256i d[MT];
-    block_dots<MT, BITS>(p, q, corr, d);
+    block_dots<MT, BITS>(p, r.q, r.corr, d);
     const __m256 wscale = _mm256_load_ps(reinterpret_cast<const float*>(p + wbytes));
     for (int m = 0; m < MT; ++m) {
-      const __m256 both = _mm256_mul_ps(wscale, _mm256_set1_ps(ascale[m]));
+      const __m256 both = _mm256_mul_ps(wscale, _mm256_set1_ps(r.scale[m]));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[m]), both, acc[m]);
       if constexpr (OFFSETS) {  // step 3's second fma: + float(qsum) * (u * a_scale)
         const __m256 offsets = _mm256_load_ps(reinterpret_cast<const float*>(p + wbytes) + kColumns);
-        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(qsum[m]), _mm256_mul_ps(offsets, _mm256_set1_ps(ascale[m])), acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(r.qsum[m]), _mm256_mul_ps(offsets, _mm256_set1_ps(r.scale[m])), acc[m]);
       }
     }
-    if constexpr (OFFSETS) qsum += a.rows;
   }
   store_rows<MT>(acc, s, m0, n0, bias, y);
 }
@@ -143,27 +139,24 @@ void superblock_tile(const Shape& s, const uint8_t* panel, const QuantizedRows& 
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   const uint8_t* p = panel;
-  const int8_t* q = a.block_q(m0, 0);
-  const float* ascale = &a.scale[static_cast<size_t>(m0)];
-  const int32_t* corr = &a.corr[static_cast<size_t>(m0)];
-  const float* qsum = &a.qsum[static_cast<size_t>(m0)];
+  RowCursor r(a, m0, true);
   for (int64_t t = 0; t < s.kb / B; ++t, p += kSuperStride) {
     const __m256 d = _mm256_load_ps(reinterpret_cast<const float*>(p));
     const __m256 dmin = _mm256_load_ps(reinterpret_cast<const float*>(p) + kColumns);
-    for (int64_t j = 0; j < B; ++j, q += a.rows * kBlock, ascale += a.rows, corr += a.rows, qsum += a.rows) {
+    for (int64_t j = 0; j < B; ++j, r.next()) {
       for (int64_t line = 0; s.prefetch_for(MT) && line < lines; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(p + kSuperAhead + (j * lines + line) * 64), _MM_HINT_T0);
       __m256i dots[MT];
-      block_dots<MT, 4>(p + kSuperHead + j * kSuperWeights, q, corr, dots);
+      block_dots<MT, 4>(p + kSuperHead + j * kSuperWeights, r.q, r.corr, dots);
       // superblock_scale, superblock_zero_point (0 where the scale is 0), then offset(): (center - zp) * scale
       const __m256 wscale = _mm256_mul_ps(bytes_as_floats(p + 2 * kColumns * 4 + j * kColumns), d);
       const __m256 mins = _mm256_mul_ps(bytes_as_floats(p + 2 * kColumns * 4 + (B + j) * kColumns), dmin);
       const __m256 zp = _mm256_and_ps(_mm256_div_ps(mins, wscale), _mm256_cmp_ps(wscale, zero, _CMP_NEQ_UQ));
       const __m256 offsets = _mm256_mul_ps(_mm256_sub_ps(center, zp), wscale);
       for (int m = 0; m < MT; ++m) {
-        const __m256 both = _mm256_mul_ps(wscale, _mm256_set1_ps(ascale[m]));
+        const __m256 both = _mm256_mul_ps(wscale, _mm256_set1_ps(r.scale[m]));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), both, acc[m]);
-        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(qsum[m]), _mm256_mul_ps(offsets, _mm256_set1_ps(ascale[m])), acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(r.qsum[m]), _mm256_mul_ps(offsets, _mm256_set1_ps(r.scale[m])), acc[m]);
       }
     }
   }

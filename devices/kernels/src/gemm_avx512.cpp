@@ -42,27 +42,6 @@ inline __m512i dot4(__m512i acc, __m512i w, const int8_t* q) {
 #endif
 }
 
-// A tile's view of A's quantized blocks (QuantizedRows: [kb][rows][...]): running pointers at the tile's first row,
-// advanced one block at a time, so row m of the tile is a constant offset (32 m bytes of q, m of the per-block
-// arrays). Computing each row's pointers per block instead (a.block_q(m0 + m, blk), ...) took a multiplication and
-// several moves per row and block, and with 4 pointers per row a tile of 5 rows ran out of general registers.
-struct RowCursor {
-  const int8_t* q;
-  const float* scale;
-  const int32_t* corr;
-  const float* qsum;
-  int64_t rows;
-  RowCursor(const QuantizedRows& a, int64_t m0, bool offsets)
-      : q(a.q.data() + m0 * kBlock), scale(a.scale.data() + m0), corr(a.corr.data() + m0),
-        qsum(offsets ? a.qsum.data() + m0 : nullptr), rows(a.rows) {}
-  void next() {
-    q += rows * kBlock;
-    scale += rows;
-    corr += rows;
-    if (qsum) qsum += rows;
-  }
-};
-
 // Weights of one block as 8 vectors, each 16 columns x 4 k (unsigned bytes).
 template <int BITS>
 inline void load_block(const uint8_t* p, __m512i w[8]) {

@@ -61,6 +61,27 @@ struct QuantizedRows {
   float block_qsum(int64_t m, int64_t blk) const { return qsum[static_cast<size_t>(blk * rows + m)]; }
 };
 
+// A tile's view of QuantizedRows from its first row on: running pointers advanced one block at a time, so row m of
+// the tile is a constant offset (32 m bytes of q, m of the per-block arrays) and a tile's loop carries no per-row
+// address arithmetic (a.block_q(m0 + m, blk) and its siblings cost the AVX-512 tiles a multiplication and moves per
+// row and block, and with four pointers per row a 5-row tile ran out of general registers).
+struct RowCursor {
+  const int8_t* q;
+  const float* scale;
+  const int32_t* corr;
+  const float* qsum;  // null without offsets
+  int64_t rows;
+  RowCursor(const QuantizedRows& a, int64_t m0, bool offsets)
+      : q(a.q.data() + m0 * kBlock), scale(a.scale.data() + m0), corr(a.corr.data() + m0),
+        qsum(offsets ? a.qsum.data() + m0 : nullptr), rows(a.rows) {}
+  void next() {
+    q += rows * kBlock;
+    scale += rows;
+    corr += rows;
+    if (qsum) qsum += rows;
+  }
+};
+
 // One block of one row (step 1): n <= 32 values of a; q gets 32 bytes (zeros past n).
 using QuantizeBlock = void (*)(const float* a, int64_t n, int zero_point, int8_t* q, float* scale, int32_t* corr);
 void quantize_block_scalar(const float* a, int64_t n, int zero_point, int8_t* q, float* scale, int32_t* corr);
